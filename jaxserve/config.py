@@ -1,0 +1,243 @@
+"""Static configuration: the model's shape (ModelConfig) and the engine's limits (EngineConfig).
+
+Both are frozen dataclasses validated at construction; `from_dict` rejects unknown keys so a
+misspelt option is an error, never silently dropped. This module imports no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ConfigError(ValueError):
+    """An invalid or unknown configuration option."""
+
+
+def _from_dict(cls, d: dict[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"{cls.__name__}: unknown option(s) {unknown}; known: {sorted(names)}")
+    return cls(**d)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as HF configs describe it (`rope_scaling` / `rope_parameters`)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"unsupported rope type {self.rope_type!r}; supported: {ROPE_TYPES}")
+        if self.factor <= 0:
+            raise ConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "RopeScaling | None":
+        if not d:
+            return None
+        d = dict(d)
+        rt = d.pop("rope_type", None) or d.pop("type", None) or "default"
+        d.pop("rope_theta", None)  # transformers 5 puts theta inside rope_parameters
+        d.pop("partial_rotary_factor", None)
+        if rt == "default" and not d:
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(rope_type=rt, **{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the pure model functions need to know about a decoder-only transformer.
+
+    Conventions (the loaders convert to them):
+      * weights are stored for `x @ W` ([in, out]);
+      * RMSNorm weights are the effective multiplier: Gemma's (1 + w) is folded in at load time;
+      * q/k projections are in HF (rotate-half) RoPE layout: GGUF's permutation is undone at load.
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_local_theta: float | None = None  # Gemma 3: base for sliding-window layers
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v biases
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each head of q and k
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False  # Gemma 2/3: post-attention and post-feed-forward norms
+    embed_scale: float = 1.0  # Gemma: sqrt(hidden_size)
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ConfigError(f"unsupported architecture {self.arch!r}; supported: {ARCHS}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unsupported activation {self.hidden_act!r}; supported: {ACTIVATIONS}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = set(self.layer_types) - set(LAYER_TYPES)
+        if bad:
+            raise ConfigError(f"unknown layer types {sorted(bad)}; known: {LAYER_TYPES}")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ConfigError("sliding layers need sliding_window")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        return _from_dict(cls, d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, i: int) -> int:
+        """Sliding window of layer i (0 = unlimited)."""
+        return int(self.sliding_window) if self.layer_types[i] == "sliding" else 0
+
+    def layer_rope_theta(self, i: int) -> float:
+        if self.layer_types[i] == "sliding" and self.rope_local_theta:
+            return float(self.rope_local_theta)
+        return float(self.rope_theta)
+
+    def layer_rope_scaled(self, i: int) -> bool:
+        # Gemma 3 applies rope scaling to its global layers only.
+        return not (self.layer_types[i] == "sliding" and self.rope_local_theta)
+
+    def num_params(self) -> int:
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        per_layer = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * f
+        n = self.num_layers * per_layer + self.vocab_size * d
+        return n if self.tie_word_embeddings else n + self.vocab_size * d
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of the engine: they decide the closed set of compiled shapes and the KV cache size."""
+
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_fraction / kv_mem_mb at start-up
+    kv_fraction: float = 0.6
+    kv_mem_mb: float | None = None
+    prefill_chunk_size: int = 256  # max tokens of one step (prefill chunks + decodes); 0 = no chunking
+    enable_prefix_cache: bool = True
+    prefix_cache_max_tokens: int | None = None
+    decode_steps: int = 4  # decode steps per dispatch when no sequence needs the host
+    dtype: str = "float32"  # compute/weight dtype; f32 on CPU (bf16 dots are slow in XLA:CPU)
+    kv_dtype: str | None = None  # default: dtype
+    scan_layers: bool | None = None  # None: scan on CPU (fast compiles), unroll on GPU (fast steps)
+    token_buckets: tuple[int, ...] = ()
+    seq_buckets: tuple[int, ...] = ()
+    compile_cache_dir: str | None = None  # None: ~/.cache/jaxserve/xla
+    max_logprobs: int = 20
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if not 0 < self.kv_fraction <= 1:
+            raise ConfigError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
+        if self.prefill_chunk_size < 0:
+            raise ConfigError(f"prefill_chunk_size must be >= 0, got {self.prefill_chunk_size}")
+        if self.decode_steps < 1:
+            raise ConfigError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.seq_buckets:
+            object.__setattr__(self, "seq_buckets", _pow2_buckets(1, self.max_num_seqs))
+        if not self.token_buckets:
+            lo = min(16, self.max_step_tokens)
+            object.__setattr__(self, "token_buckets", _pow2_buckets(lo, self.max_step_tokens))
+        if max(self.seq_buckets) < self.max_num_seqs:
+            raise ConfigError("seq_buckets must cover max_num_seqs")
+        if max(self.token_buckets) < self.max_step_tokens:
+            raise ConfigError("token_buckets must cover the step token budget")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+        return _from_dict(cls, d)
+
+    def replace(self, **kw) -> "EngineConfig":
+        # Buckets derive from limits: recompute them unless given explicitly.
+        kw.setdefault("token_buckets", ())
+        kw.setdefault("seq_buckets", ())
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Token budget of one step: the chunk size (or the whole model length when chunking is off)."""
+        budget = self.prefill_chunk_size or self.max_model_len
+        return max(budget, self.max_num_seqs)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil((self.max_model_len + self.decode_steps) / self.block_size)

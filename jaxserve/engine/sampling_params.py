@@ -1,0 +1,91 @@
+"""Per-request sampling parameters (host side, no JAX)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """Invalid sampling parameters; `param` names the offending field (for OpenAI error bodies)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int | None = 256  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob + top-k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token logprob + top-k
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if self.top_k == -1:
+            self.top_k = 0
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        self.validate()
+
+    def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
+        def bad(msg, p):
+            raise SamplingParamsError(msg, p)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be >= 1, got {self.n}", "n")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            bad(f"top_k must be >= 0 (or -1 for off), got {self.top_k}", "top_k")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not -2 <= self.presence_penalty <= 2:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        if self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+        if self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= max_logprobs:
+                bad(f"{name} must be in [0, {max_logprobs}], got {v}", name)
+        for tok, b in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= tok < vocab_size:
+                bad(f"logit_bias token id {tok} is out of range [0, {vocab_size})", "logit_bias")
+            if not -100 <= b <= 100:
+                bad(f"logit_bias values must be in [-100, 100], got {b}", "logit_bias")
+        if vocab_size is not None:
+            for tok in self.stop_token_ids:
+                if not 0 <= tok < vocab_size:
+                    bad(f"stop token id {tok} is out of range [0, {vocab_size})", "stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def replace(self, **kw) -> "SamplingParams":
+        return dataclasses.replace(self, **kw)
