@@ -1,0 +1,15 @@
+"""jaxserve: a JAX/XLA compiled LLM inference runtime with an OpenAI-compatible server."""
+
+from jaxserve.engine.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name):
+    # LLM pulls in JAX; keep `import jaxserve` light for the host-only modules and the CLI's --help.
+    if name == "LLM":
+        from jaxserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

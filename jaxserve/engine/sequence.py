@@ -46,6 +46,7 @@ class Sequence:
     row: int = -1  # persistent batch row on the device (penalty counts), -1 = none
     num_preemptions: int = 0
     first_token_time: float | None = None
+    sample_seed: int = 0  # noise comes from (sample_seed, position) only
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,149 @@
+"""Offline API: `LLM(model=...).generate(...)`, `.chat(...)`, `.score(...)`.
+
+All prompts of a call are submitted at once and run as one continuously batched job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence as Seq
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list | None = None  # per token: (logprob, [(token_id, logprob), ...])
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else float(sum(lp for lp, _ in self.logprobs))
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list | None = None  # [None, (lp, top), ...] aligned with prompt_token_ids
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoreOutput:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None]  # logprobs[0] is None (nothing predicts the first token)
+
+    @property
+    def total_logprob(self) -> float:
+        return float(sum(x for x in self.logprobs if x is not None))
+
+    @property
+    def perplexity(self) -> float:
+        n = sum(1 for x in self.logprobs if x is not None)
+        return math.exp(-self.total_logprob / n) if n else float("nan")
+
+
+_ENGINE_KEYS = {f for f in EngineConfig.__dataclass_fields__}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, file: str | None = None,
+                 yarn_scaling_factor: float | None = None, **engine_kwargs: Any):
+        unknown = set(engine_kwargs) - _ENGINE_KEYS
+        if unknown:
+            raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; known: {sorted(_ENGINE_KEYS)}")
+        self.engine = LLMEngine(model, engine_config=EngineConfig(**engine_kwargs), file=file,
+                                yarn_scaling_factor=yarn_scaling_factor)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool):
+        from tqdm import tqdm
+
+        eng = self.engine
+        order, seqs_of = [], {}
+        for p, sp in zip(prompts, params):
+            rid = f"offline-{next(self._ids)}"
+            seqs_of[rid] = eng.add_request(rid, p, sp)
+            order.append((rid, p))
+        texts: dict[int, list[str]] = {}
+        bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
+        done = 0
+        while eng.has_unfinished():
+            for out in eng.step():
+                texts.setdefault(out.seq.seq_id, []).append(out.new_text)
+            n = sum(all(s.is_finished for s in seqs) for seqs in seqs_of.values())
+            bar.update(n - done)
+            done = n
+        bar.close()
+        results = []
+        for rid, prompt in order:
+            seqs = seqs_of[rid]
+            outs = [CompletionOutput(index=s.choice_index, text="".join(texts.get(s.seq_id, [])),
+                                     token_ids=list(s.output_token_ids),
+                                     finish_reason=s.finish_reason.value if s.finish_reason else None,
+                                     stop_reason=s.stop_reason,
+                                     logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None)
+                    for s in seqs]
+            s0 = seqs[0]
+            plp = None
+            if s0.params.prompt_logprobs is not None:
+                plp = [None] + list(s0.prompt_logprobs)
+            results.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None,
+                                         list(s0.prompt_token_ids), outs, plp, s0.num_cached_tokens))
+        return results
+
+    def generate(self, prompts: str | list[str] | list[list[int]] | list[int],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        return self._run(prompts, list(sampling_params), use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None,
+                            add_generation_prompt: bool = True, **kwargs) -> str:
+        from jaxserve.loader.chat_template import ChatTemplate
+
+        tok = self.tokenizer
+        tmpl = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+        return tmpl.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             tools: list | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.encode(self.apply_chat_template(c, tools, add_generation_prompt))
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def score(self, texts: str | list[str], use_tqdm: bool = False) -> list[ScoreOutput]:
+        """Per-token log-probabilities of each text under the model (batch scoring, perplexity)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.generate(list(texts), params, use_tqdm)
+        res = []
+        for text, o in zip(texts, outs):
+            lps = [None] + [lp for lp, _ in o.prompt_logprobs[1:]]
+            res.append(ScoreOutput(text, o.prompt_token_ids, lps))
+        return res

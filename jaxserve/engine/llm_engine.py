@@ -1,0 +1,223 @@
+"""LLMEngine: load a model, then run schedule -> run -> postprocess steps over many requests.
+
+Synchronous and single-threaded; the offline `LLM` drives it in a loop and the server runs it on an
+engine thread (engine/async_engine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.output import SeqOutput, TextState
+from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("jaxserve.engine")
+
+
+class PromptTooLongError(ValueError):
+    param = "messages"
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    tokenizer: Any
+    weights: Any
+    name: str
+    chat_template: Any = None
+    generation_defaults: dict | None = None
+
+
+def load_model(model: str | None, *, file: str | None = None, dtype: str = "float32",
+               yarn_scaling_factor: float | None = None, revision: str | None = None) -> LoadedModel:
+    """Resolve a model source and stream its weights onto the device."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxserve.loader import source
+    from jaxserve.loader.materialize import materialize
+    from jaxserve.loader.tokenizer import Tokenizer
+
+    res = source.resolve_model(model, file=file, revision=revision)
+    gen_defaults = None
+    if res.kind == "gguf":
+        from jaxserve.loader import gguf_loader
+
+        readers = gguf_loader.open_gguf(res.paths[0])
+        cfg = gguf_loader.gguf_model_config(readers)
+        tok = (Tokenizer.from_dir(res.tokenizer_dir) if res.tokenizer_dir
+               else Tokenizer.from_gguf(readers))
+        tensors = lambda c: gguf_loader.iter_gguf_tensors(readers, c)
+    else:
+        import json
+
+        from jaxserve.loader.hf_config import model_config_from_hf
+        from jaxserve.loader.safetensors_loader import iter_safetensors_tensors
+
+        cfg = model_config_from_hf(json.loads((res.model_dir / "config.json").read_text()))
+        tok = Tokenizer.from_dir(res.tokenizer_dir or res.model_dir)
+        tensors = lambda c: iter_safetensors_tensors(res.model_dir, c)
+        gen = res.model_dir / "generation_config.json"
+        if gen.exists():
+            gen_defaults = json.loads(gen.read_text())
+    if yarn_scaling_factor:
+        from jaxserve.config import RopeScaling
+
+        cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling(
+            rope_type="yarn", factor=yarn_scaling_factor,
+            original_max_position_embeddings=cfg.max_position_embeddings))
+    # The tokenizer knows end-of-turn tokens the model config may not list.
+    eos = tuple(dict.fromkeys(list(cfg.eos_token_ids) + sorted(tok.eos_token_ids)))
+    cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    weights = materialize(cfg, tensors(cfg), jnp.dtype(dtype))
+    name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    return LoadedModel(cfg=cfg, tokenizer=tok, weights=weights, name=name,
+                       generation_defaults=gen_defaults)
+
+
+class LLMEngine:
+    def __init__(self, model: str | LoadedModel | None = None, *, engine_config: EngineConfig | dict | None = None,
+                 file: str | None = None, yarn_scaling_factor: float | None = None, attention=None,
+                 warmup: bool = True):
+        from jaxserve.engine.block_manager import BlockManager
+        from jaxserve.engine.runner import ModelRunner, choose_num_blocks, setup_compilation_cache
+        from jaxserve.engine.scheduler import Scheduler
+
+        if isinstance(engine_config, dict):
+            engine_config = EngineConfig.from_dict(engine_config)
+        ecfg = engine_config or EngineConfig()
+        setup_compilation_cache(ecfg.compile_cache_dir)
+        t0 = time.perf_counter()
+        lm = model if isinstance(model, LoadedModel) else load_model(
+            model, file=file, dtype=ecfg.dtype, yarn_scaling_factor=yarn_scaling_factor)
+        self.load_seconds = time.perf_counter() - t0
+        self.model = lm
+        self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
+        if ecfg.max_model_len > lm.cfg.max_position_embeddings and not lm.cfg.rope_scaling:
+            log.warning("max_model_len %d exceeds the model's %d positions", ecfg.max_model_len,
+                        lm.cfg.max_position_embeddings)
+        self.ecfg = ecfg
+        num_blocks = choose_num_blocks(lm.cfg, ecfg)
+        self.runner = ModelRunner(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention)
+        max_cached = None
+        if ecfg.prefix_cache_max_tokens is not None:
+            max_cached = ecfg.prefix_cache_max_tokens // ecfg.block_size
+        self.block_manager = BlockManager(num_blocks, ecfg.block_size, ecfg.enable_prefix_cache,
+                                          max_cached_blocks=max_cached)
+        self.scheduler = Scheduler(ecfg, self.block_manager)
+        self.text_states: dict[int, TextState] = {}
+        self.requests: dict[str, list[Sequence]] = {}
+        self._rng = random.Random(ecfg.seed)
+        self.num_steps = 0
+        if warmup:
+            self.runner.warmup()
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return (self.runner.num_blocks - 1) * self.ecfg.block_size
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise a 4xx-worthy error if this request can never run."""
+        params.validate(self.ecfg.max_logprobs, self.cfg.vocab_size)
+        if not prompt_ids:
+            raise SamplingParamsError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise SamplingParamsError(
+                f"prompt token id {bad[0]} is out of range [0, {self.cfg.vocab_size})", "prompt")
+        msg = self.scheduler.check_prompt_fits(len(prompt_ids), params.max_tokens)
+        if msg:
+            raise PromptTooLongError(msg)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> list[Sequence]:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(prompt_ids, params)
+        seqs = []
+        for i in range(params.n):
+            seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
+            seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
+                           choice_index=i, sample_seed=seed & 0x7FFFFFFF)
+            if arrival_time is not None:
+                seq.arrival_time = arrival_time
+            self.text_states[seq.seq_id] = TextState(seq, self.tokenizer)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        return seqs
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        for seq in self.requests.pop(request_id, []):
+            self.text_states.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _eos(self, token: int) -> bool:
+        return token in self.cfg.eos_token_ids
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[SeqOutput]:
+        sched = self.scheduler.schedule()
+        outputs: list[SeqOutput] = []
+        for seq in sched.preempted:
+            log.debug("preempted seq %d (request %s)", seq.seq_id, seq.request_id)
+        if sched.is_empty:
+            return self._collect_finished_without_step()
+        result = self.runner.execute(sched)
+        now = time.monotonic()
+        self.scheduler.update(sched, result, self._eos)
+        self.num_steps += 1
+        seen = set()
+        for item in sched.scheduled:
+            seq = item.seq
+            if seq.seq_id in seen:
+                continue
+            seen.add(seq.seq_id)
+            ts = self.text_states.get(seq.seq_id)
+            if ts is None:
+                continue
+            if seq.output_token_ids and seq.first_token_time is None:
+                seq.first_token_time = now
+            was_finished = seq.is_finished
+            new_ids, text, lps = ts.consume()
+            if seq.is_finished and not was_finished:  # a stop string ended it
+                self.scheduler.finish_seq(seq, seq.finish_reason, seq.stop_reason)
+            if new_ids or seq.is_finished:
+                outputs.append(SeqOutput(seq, new_ids, text, seq.is_finished, lps))
+            if seq.is_finished:
+                self._retire(seq)
+        return outputs
+
+    def _collect_finished_without_step(self) -> list[SeqOutput]:
+        return []
+
+    def _retire(self, seq: Sequence) -> None:
+        self.text_states.pop(seq.seq_id, None)
+        seqs = self.requests.get(seq.request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            self.requests.pop(seq.request_id, None)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_waiting": self.scheduler.num_waiting,
+            "num_running": self.scheduler.num_running,
+            "kv_blocks_total": self.runner.num_blocks - 1,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "prefix_cache_hit_tokens": bm.prefix_hits_tokens,
+            "prefix_cache_query_tokens": bm.prefix_queries_tokens,
+            "num_steps": self.num_steps,
+        }

@@ -1,0 +1,86 @@
+"""Turning sampled tokens into text: incremental detokenisation and stop strings. No JAX.
+
+Stop strings can span several tokens, so text that could still become the start of a stop string is
+held back from the stream until it cannot (or the sequence ends): nothing of a stop string ever leaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.engine.sequence import FinishReason, Sequence
+
+
+@dataclass
+class SeqOutput:
+    """What changed for one sequence in one engine step."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str  # text that is now final and may be streamed
+    finished: bool
+    new_logprobs: list = field(default_factory=list)
+
+
+class TextState:
+    """Per-sequence detokeniser + stop-string matcher."""
+
+    def __init__(self, seq: Sequence, tokenizer):
+        from jaxserve.loader.tokenizer import IncrementalDetokenizer
+
+        self.seq = seq
+        self.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
+                                            skip_special_tokens=seq.params.skip_special_tokens)
+        self.text = ""  # all decoded output text (possibly containing a stop string at the end)
+        self.emitted = 0  # chars of self.text already handed out
+        self.num_tokens = 0  # output tokens consumed
+        stops = seq.params.stop
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    def consume(self) -> tuple[list[int], str, list]:
+        """Take the tokens appended since last call; return (new ids, new emittable text, new logprobs).
+
+        May finish the sequence on a stop string (caller frees its blocks)."""
+        seq = self.seq
+        new_ids = seq.output_token_ids[self.num_tokens:]
+        new_lps = seq.output_logprobs[self.num_tokens:] if seq.output_logprobs else []
+        start = self.num_tokens
+        self.num_tokens = len(seq.output_token_ids)
+        stops = seq.params.stop
+        for j, tok in enumerate(new_ids):
+            delta = self.detok.add([tok])
+            if not delta:
+                continue
+            search_from = max(0, len(self.text) - self.holdback)
+            self.text += delta
+            if stops:
+                hit = self._find_stop(search_from)
+                if hit is not None:
+                    pos, s = hit
+                    end = pos + len(s) if seq.params.include_stop_str_in_output else pos
+                    self.text = self.text[:end]
+                    # Tokens after the one that completed the stop string are dropped.
+                    keep = start + j + 1
+                    del seq.output_token_ids[keep:]
+                    if seq.output_logprobs:
+                        del seq.output_logprobs[keep:]
+                    new_ids = new_ids[:j + 1]
+                    new_lps = new_lps[:j + 1] if new_lps else new_lps
+                    self.num_tokens = keep
+                    seq.finish(FinishReason.STOP, s)
+                    break
+        if seq.is_finished:
+            limit = len(self.text)
+        else:
+            limit = max(self.emitted, len(self.text) - self.holdback)
+        out = self.text[self.emitted:limit]
+        self.emitted = limit
+        return new_ids, out, new_lps
+
+    def _find_stop(self, search_from: int):
+        best = None
+        for s in self.seq.params.stop:
+            i = self.text.find(s, search_from)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best

@@ -1,0 +1,295 @@
+"""ModelRunner: the one boundary between the host-side engine and the device.
+
+It owns the weights, the device state (paged KV cache + per-row penalty counts) and the closed set of
+compiled programs. `warmup()` compiles every bucket ahead of time (jit(...).lower(...).compile(),
+persisted by JAX's compilation cache); afterwards asking for a shape outside the set raises
+`RecompileError` instead of compiling while serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import step as step_mod
+from jaxserve.engine.batch import SchedulerOutput, StepResult
+from jaxserve.engine.sampling_tensors import build_sampling_tensors
+from jaxserve.kernels.paged_attention import reference as attn_ref
+from jaxserve.models import transformer as tf
+
+log = logging.getLogger("jaxserve.runner")
+
+
+class RecompileError(RuntimeError):
+    """A step needed a program outside the compiled set (a bug: the bucket set must be closed)."""
+
+
+def setup_compilation_cache(path: str | None) -> None:
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, ecfg: EngineConfig) -> int:
+    itemsize = jnp.dtype(ecfg.kv_dtype or ecfg.dtype).itemsize
+    return 2 * cfg.num_layers * ecfg.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def choose_num_blocks(cfg: ModelConfig, ecfg: EngineConfig, reserved_bytes: int = 0) -> int:
+    """KV blocks: --num-blocks, else --mem MB, else kv_fraction of the memory left after the weights
+    and the largest step's temporaries (GPU: device memory stats; CPU: available RAM, capped at what
+    max_num_seqs full-length sequences could ever use, x2 for the prefix cache)."""
+    per_block = kv_bytes_per_block(cfg, ecfg)
+    need = ecfg.max_num_seqs * ecfg.max_blocks_per_seq + 1
+    if ecfg.num_blocks:
+        return int(ecfg.num_blocks)
+    if ecfg.kv_mem_mb:
+        return max(2, int(ecfg.kv_mem_mb * 2**20 // per_block))
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved_bytes
+        return max(2, int(free * ecfg.kv_fraction // per_block))
+    import psutil
+
+    free = psutil.virtual_memory().available - reserved_bytes
+    return max(2, min(int(free * ecfg.kv_fraction // per_block), 2 * need))
+
+
+@dataclass
+class _Pending:
+    sched: SchedulerOutput
+    out: dict
+    kind: str
+    num_seqs: int
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights, num_blocks: int,
+                 attention=None):
+        self.cfg, self.ecfg, self.weights = cfg, ecfg, weights
+        self.num_blocks = num_blocks
+        self.attention = attention or attn_ref.paged_attention
+        on_cpu = jax.devices()[0].platform == "cpu"
+        self.scan_layers = on_cpu if ecfg.scan_layers is None else ecfg.scan_layers
+        self.num_top = ecfg.max_logprobs
+        self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
+        self.MB = ecfg.max_blocks_per_seq
+        consts = tf.layer_constants(cfg)
+        self.consts = {k: jnp.asarray(v) for k, v in consts.items()}
+        kv_dtype = jnp.dtype(ecfg.kv_dtype or ecfg.dtype)
+        shape = (cfg.num_layers, num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.state = {
+            "k": jnp.zeros(shape, kv_dtype),
+            "v": jnp.zeros(shape, kv_dtype),
+            "out_counts": jnp.zeros((self.R + 1, cfg.vocab_size), jnp.int32),
+            "prompt_mask": jnp.zeros((self.R + 1, cfg.vocab_size), jnp.bool_),
+        }
+        self.row_counted = np.zeros(self.R + 1, np.int64)  # output tokens counted per row
+        self._compiled: dict[tuple, Any] = {}
+        self._frozen = False
+        self.compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ programs
+    def program_keys(self) -> list[tuple]:
+        keys = [("decode", s) for s in self.ecfg.seq_buckets]
+        for t in self.ecfg.token_buckets:
+            keys += [("mixed", t, False), ("mixed", t, True)]
+        return keys
+
+    def _fn(self, key):
+        common = dict(scan_layers=self.scan_layers, attention=self.attention, num_top=self.num_top,
+                      block_size=self.ecfg.block_size)
+        if key[0] == "decode":
+            f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps, **common)
+        else:
+            f = partial(step_mod.mixed_step, self.cfg, prompt_lp=key[2], **common)
+        return jax.jit(f, donate_argnums=(2,))
+
+    def _abstract_inputs(self, key) -> dict:
+        inp = self._empty_inputs(key)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inp)
+
+    def compile(self, key):
+        if key in self._compiled:
+            return self._compiled[key]
+        if self._frozen:
+            raise RecompileError(f"program {key} is not in the compiled set {self.program_keys()}")
+        t0 = time.perf_counter()
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+        lowered = self._fn(key).lower(jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
+                                      jax.tree.map(spec, self.state), self._abstract_inputs(key))
+        exe = lowered.compile()
+        self.compile_seconds += time.perf_counter() - t0
+        self._compiled[key] = exe
+        return exe
+
+    def warmup(self) -> None:
+        """Compile the whole closed set, then refuse anything else."""
+        for key in self.program_keys():
+            self.compile(key)
+        self._frozen = True
+        log.info("compiled %d programs in %.1fs", len(self._compiled), self.compile_seconds)
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled)
+
+    def max_temp_bytes(self) -> int:
+        best = 0
+        for exe in self._compiled.values():
+            try:
+                best = max(best, exe.memory_analysis().temp_size_in_bytes)
+            except Exception:  # some backends do not report it
+                pass
+        return best
+
+    # ------------------------------------------------------------------ inputs
+    def _bucket(self, buckets, n):
+        for b in buckets:
+            if b >= n:
+                return b
+        raise RecompileError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+    def _empty_inputs(self, key) -> dict:
+        S = key[1] if key[0] == "decode" else self.ecfg.max_num_seqs
+        st = build_sampling_tensors([], S, [])
+        base = {
+            "block_tables": np.zeros((S + 1, self.MB), np.int32),
+            "rows": np.full(S, self.R, np.int32),
+            "samples": np.zeros(S, bool),
+            "st": st,
+        }
+        if key[0] == "decode":
+            base.update(token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
+                        num_steps=np.int32(1))
+            return base
+        T = key[1]
+        base.update(
+            token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+            token_seq=np.full(T, S, np.int32), is_prompt=np.zeros(T, bool),
+            count_output=np.zeros(T, bool), reset=np.zeros(S, bool),
+            sample_idx=np.zeros(S, np.int32), sample_pos=np.zeros(S, np.int32))
+        if key[2]:
+            base["target_ids"] = np.zeros(T, np.int32)
+        return base
+
+    def _is_decode(self, sched: SchedulerOutput) -> bool:
+        return all(s.num_new == 1 and s.samples and not s.reset_row
+                   and s.start >= s.seq.num_prompt_tokens for s in sched.scheduled)
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[tuple, dict]:
+        items = sched.scheduled
+        n = len(items)
+        want_plp = any(s.seq.params.prompt_logprobs is not None for s in items)
+        if sched.decode_steps > 1 or (self._is_decode(sched) and not want_plp):
+            key = ("decode", self._bucket(self.ecfg.seq_buckets, n))
+        else:
+            key = ("mixed", self._bucket(self.ecfg.token_buckets, sched.num_tokens), want_plp)
+        inp = self._empty_inputs(key)
+        S = inp["rows"].shape[0]
+        params, seeds = [], []
+        for i, s in enumerate(items):
+            seq = s.seq
+            bt = seq.block_table
+            inp["block_tables"][i, :len(bt)] = bt
+            inp["rows"][i] = seq.row
+            inp["samples"][i] = s.samples
+            params.append(seq.params)
+            seeds.append(seq.sample_seed)
+        inp["st"] = build_sampling_tensors(params, S, seeds,
+                                           output_lens=[len(s.seq.output_token_ids) for s in items],
+                                           eos_ids=[self._eos_ids(s.seq) for s in items])
+        if key[0] == "decode":
+            for i, s in enumerate(items):
+                inp["token_ids"][i] = s.seq.token_at(s.start)
+                inp["positions"][i] = s.start
+            inp["num_steps"] = np.int32(sched.decode_steps)
+            return key, inp
+        t = 0
+        for i, s in enumerate(items):
+            seq, P = s.seq, s.seq.num_prompt_tokens
+            if s.reset_row:
+                self.row_counted[seq.row] = 0
+            toks = seq.all_token_ids[s.start:s.start + s.num_new]
+            pos = np.arange(s.start, s.start + s.num_new)
+            sl = slice(t, t + s.num_new)
+            inp["token_ids"][sl] = toks
+            inp["positions"][sl] = pos
+            inp["token_seq"][sl] = i
+            inp["is_prompt"][sl] = pos < P
+            # Output tokens re-fed after a preemption are counted again (their row was reset).
+            inp["count_output"][sl] = (pos >= P) & (pos - P >= self.row_counted[seq.row])
+            done = int(np.sum(pos >= P))
+            if done:
+                self.row_counted[seq.row] = max(self.row_counted[seq.row], int(pos[-1]) - P + 1)
+            inp["reset"][i] = s.reset_row
+            inp["sample_idx"][i] = t + s.num_new - 1
+            inp["sample_pos"][i] = s.start + s.num_new
+            if key[2]:
+                nxt = seq.all_token_ids[s.start + 1:s.start + s.num_new + 1]
+                inp["target_ids"][t:t + len(nxt)] = nxt
+            t += s.num_new
+        return key, inp
+
+    def _eos_ids(self, seq) -> list[int]:
+        if len(seq.output_token_ids) >= seq.params.min_tokens:
+            return []
+        return list(self.cfg.eos_token_ids) + list(seq.params.stop_token_ids)
+
+    # ------------------------------------------------------------------ execution
+    def dispatch(self, sched: SchedulerOutput) -> _Pending:
+        """Launch a step; outputs start copying to the host at once (read them with `collect`)."""
+        key, inp = self.prepare(sched)
+        exe = self.compile(key)
+        self.state, out = exe(self.consts, self.weights, self.state, inp)
+        for a in jax.tree.leaves(out):
+            a.copy_to_host_async()
+        for s in sched.scheduled:
+            if s.samples:
+                self.row_counted[s.seq.row] += sched.decode_steps
+        return _Pending(sched, out, key[0], len(sched.scheduled), sched.num_tokens)
+
+    def collect(self, p: _Pending) -> StepResult:
+        out = jax.tree.map(np.asarray, p.out)
+        K = p.sched.decode_steps
+        tokens, logprobs, prompt_lps = [], [], []
+        t = 0
+        for i, s in enumerate(p.sched.scheduled):
+            params = s.seq.params
+            tokens.append([int(x) for x in out["tokens"][:K, i]] if s.samples else [])
+            if s.samples and params.logprobs is not None:
+                n = params.logprobs
+                logprobs.append([(float(out["logprob"][k, i]),
+                                  [(int(a), float(b)) for a, b in zip(out["top_ids"][k, i, :n],
+                                                                     out["top_logprobs"][k, i, :n])])
+                                 for k in range(K)])
+            else:
+                logprobs.append(None)
+            if params.prompt_logprobs is not None and "prompt_logprob" in out:
+                n = params.prompt_logprobs
+                m = s.num_new - (1 if s.samples else 0)  # the last token's successor is sampled, not known
+                prompt_lps.append([(float(out["prompt_logprob"][t + j]),
+                                    [(int(a), float(b)) for a, b in zip(out["prompt_top_ids"][t + j, :n],
+                                                                       out["prompt_top_logprobs"][t + j, :n])])
+                                   for j in range(m)])
+            else:
+                prompt_lps.append(None)
+            t += s.num_new
+        return StepResult(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        return self.collect(self.dispatch(sched))

@@ -1,0 +1,97 @@
+"""The compiled step functions: pure functions of (weights, device state, step inputs).
+
+Two program families, each compiled once per bucket at start-up:
+  * mixed(T tokens, S seqs): any mix of prompt chunks, recomputes and decodes; samples one token per
+    sequence; optionally (prompt_lp) the log-probabilities of every input token's successor.
+  * decode(S seqs): up to K decode steps in an on-device loop (trip count is an input, <= K), feeding
+    each sampled token back; the host reads all K tokens afterwards and drops those after a stop.
+Device state (donated every step): the paged K/V caches and, per persistent batch row, the output
+token counts and prompt-token mask that the repetition/presence/frequency penalties read.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine import sampler as sampler_mod
+from jaxserve.models import transformer as tf
+
+
+def _slots(batch, block_size):
+    tables = batch["block_tables"][batch["token_seq"]]  # [T, MB]
+    pos = batch["positions"]
+    blk = jnp.take_along_axis(tables, (pos // block_size)[:, None], axis=1)[:, 0]
+    return blk * block_size + pos % block_size
+
+
+def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_top):
+    logits = tf.logits_from_hidden(cfg, weights, hidden_rows)
+    out = sampler_mod.sample(logits, st, positions, state["out_counts"][rows],
+                             state["prompt_mask"][rows], num_top)
+    # Count what was sampled (padding and non-sampling rows go to the dummy row, then are dropped).
+    R = state["out_counts"].shape[0] - 1
+    tgt = jnp.where(samples, rows, R)
+    state = dict(state, out_counts=state["out_counts"].at[tgt, out["tokens"]].add(1, mode="drop"))
+    return out, state
+
+
+def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
+               prompt_lp, block_size):
+    R = state["out_counts"].shape[0] - 1
+    # Fresh rows: clear their penalty state before counting this step's tokens into them.
+    reset_rows = jnp.where(inp["reset"], inp["rows"], R)
+    state = dict(state,
+                 out_counts=state["out_counts"].at[reset_rows].set(0, mode="drop"),
+                 prompt_mask=state["prompt_mask"].at[reset_rows].set(False, mode="drop"))
+    tok_rows = inp["rows"][jnp.minimum(inp["token_seq"], inp["rows"].shape[0] - 1)]
+    pm_rows = jnp.where(inp["is_prompt"], tok_rows, R)
+    oc_rows = jnp.where(inp["count_output"], tok_rows, R)
+    state = dict(state,
+                 prompt_mask=state["prompt_mask"].at[pm_rows, inp["token_ids"]].set(True, mode="drop"),
+                 out_counts=state["out_counts"].at[oc_rows, inp["token_ids"]].add(1, mode="drop"))
+
+    batch = {k: inp[k] for k in ("token_ids", "positions", "token_seq", "block_tables")}
+    batch["slots"] = _slots(batch, block_size)
+    hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
+                                       scan_layers=scan_layers, attention=attention)
+    state = dict(state, k=k, v=v)
+    out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], inp["samples"],
+                         inp["sample_pos"], inp["st"], num_top)
+    out = {k: v[None] for k, v in out.items()}  # [K=1, S, ...] like the decode program
+    if prompt_lp:
+        lp = jax.nn.log_softmax(tf.logits_from_hidden(cfg, weights, hidden), axis=-1)
+        out["prompt_logprob"] = jnp.take_along_axis(lp, inp["target_ids"][:, None], axis=1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, num_top) if num_top else (lp[:, :0], lp[:, :0].astype(jnp.int32))
+        out["prompt_top_ids"], out["prompt_top_logprobs"] = top_ids.astype(jnp.int32), top_lp
+    return state, out
+
+
+def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
+                max_steps, block_size):
+    S = inp["token_ids"].shape[0]
+    token_seq = jnp.arange(S, dtype=jnp.int32)
+
+    def one(i, carry):
+        state, tokens, positions, outs = carry
+        batch = {"token_ids": tokens, "positions": positions, "token_seq": token_seq,
+                 "block_tables": inp["block_tables"]}
+        batch["slots"] = _slots(batch, block_size)
+        hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
+                                           scan_layers=scan_layers, attention=attention)
+        state = dict(state, k=k, v=v)
+        out, state = _sample(cfg, weights, hidden, state, inp["rows"], inp["samples"], positions + 1,
+                             inp["st"], num_top)
+        outs = {name: outs[name].at[i].set(out[name]) for name in outs}
+        return state, out["tokens"], positions + 1, outs
+
+    outs = {"tokens": jnp.zeros((max_steps, S), jnp.int32),
+            "logprob": jnp.zeros((max_steps, S), jnp.float32),
+            "top_ids": jnp.zeros((max_steps, S, num_top), jnp.int32),
+            "top_logprobs": jnp.zeros((max_steps, S, num_top), jnp.float32)}
+    state, _, _, outs = jax.lax.fori_loop(0, inp["num_steps"], one,
+                                          (state, inp["token_ids"], inp["positions"], outs))
+    return state, outs

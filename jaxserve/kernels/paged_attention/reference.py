@@ -1,0 +1,94 @@
+"""Paged attention in plain jax.numpy: the CPU path and the oracle of every other implementation.
+
+Layout: k_cache / v_cache are [L, num_blocks, block_size, kv_heads, head_dim] for all layers; a step
+passes the layer index so no per-layer slice of the cache is ever copied. Token t of a step belongs to
+sequence token_seq[t] at absolute position positions[t]; it attends to that sequence's keys at
+positions <= its own (and > position - window for sliding-window layers). K/V of the step's own tokens
+are written before attention runs, so one function serves prefill, chunked prefill and decode alike.
+
+Memory stays bounded at long contexts: keys are visited a chunk of blocks at a time with an online
+softmax, never as a full [T, context] score matrix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def write_kv(k_cache, v_cache, layer, k, v, slots):
+    """Scatter new k/v [T, KV, hd] into flat slots [T] (slot = block * block_size + offset) of `layer`."""
+    L, NB, BS = k_cache.shape[:3]
+    blk, off = slots // BS, slots % BS
+    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache
+
+
+def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positions, *, scale,
+                    window=0, softcap=None, blocks_per_iter=8):
+    """q [T, H, hd] -> [T, H, hd] (q's dtype).
+
+    block_tables [S, MB] int32; token_seq [T]; positions [T]; window: int or traced int32 scalar
+    (0 = full attention); softcap: static float or None.
+    """
+    T, H, D = q.shape
+    KV, BS = k_cache.shape[3], k_cache.shape[2]
+    G = H // KV
+    MB = block_tables.shape[1]
+    C = max(1, min(blocks_per_iter, MB))
+    span = C * BS
+    window = jnp.asarray(window, jnp.int32)
+
+    qg = (q.astype(jnp.float32) * scale).reshape(T, KV, G, D)
+    tables = block_tables[token_seq]  # [T, MB]
+    max_pos = jnp.max(positions)
+    min_pos = jnp.min(positions)
+    hi = max_pos // span + 1
+    lo = jnp.where(window > 0, jnp.maximum(min_pos - window + 1, 0) // span, 0)
+
+    def body(i, carry):
+        m, l, acc = carry
+        cols = i * C + jnp.arange(C)
+        bids = tables[:, jnp.minimum(cols, MB - 1)]  # [T, C]
+        k = k_cache[layer, bids].reshape(T, span, KV, D).astype(jnp.float32)
+        v = v_cache[layer, bids].reshape(T, span, KV, D).astype(jnp.float32)
+        s = jnp.einsum("tkgd,tnkd->tkgn", qg, k)  # [T, KV, G, span]
+        if softcap:
+            s = jnp.tanh(s / softcap) * softcap
+        kpos = (cols[:, None] * BS + jnp.arange(BS)[None, :]).reshape(span)
+        ok = kpos[None, :] <= positions[:, None]
+        ok &= (window <= 0) | (kpos[None, :] > positions[:, None] - window)
+        s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("tkgn,tnkd->tkgd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((T, KV, G), -jnp.inf, jnp.float32), jnp.zeros((T, KV, G), jnp.float32),
+            jnp.zeros((T, KV, G, D), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(T, H, D).astype(q.dtype)
+
+
+def dense_attention(q, k, v, *, scale, window=0, softcap=None, q_offset=0):
+    """Oracle for tests: one sequence, contiguous k/v [N, KV, hd], queries at positions q_offset + i."""
+    T, H, D = q.shape
+    N, KV = k.shape[0], k.shape[1]
+    G = H // KV
+    qg = q.astype(jnp.float32).reshape(T, KV, G, D) * scale
+    s = jnp.einsum("tkgd,nkd->tkgn", qg, k.astype(jnp.float32))
+    if softcap:
+        s = jnp.tanh(s / softcap) * softcap
+    qpos = q_offset + jnp.arange(T)
+    kpos = jnp.arange(N)
+    ok = kpos[None, :] <= qpos[:, None]
+    if window:
+        ok &= kpos[None, :] > qpos[:, None] - window
+    s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("tkgn,nkd->tkgd", p, v.astype(jnp.float32)).reshape(T, H, D).astype(q.dtype)

@@ -1,0 +1,128 @@
+"""The decoder shared by every supported family, as pure functions of (weights, kv cache, batch).
+
+Llama 2/3, Mistral, Yi, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm), Gemma 2 and Gemma 3 (scaled
+embeddings, sandwich norms, GeGLU, sliding-window layers, soft-capping, local/global RoPE bases) differ
+only in switches of ModelConfig, so one block function serves them all; the per-family files
+(llama.py, gemma.py) hold what is specific to a family (defaults, chat quirks).
+
+The batch is a flat ragged list of tokens (see kernels/paged_attention/reference.py): no padding to a
+rectangle, no per-sequence Python work, one compiled program per (tokens, sequences) bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.kernels.paged_attention import reference as attn_ref
+from jaxserve.models.rope import rope_tables
+
+
+def rms_norm(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq, attn_factor):
+    """Rotate-half RoPE (HF layout). x [T, N, hd]; inv_freq [hd/2]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = (jnp.cos(emb) * attn_factor)[:, None, :]
+    sin = (jnp.sin(emb) * attn_factor)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rot * sin).astype(x.dtype)
+
+
+def _act(cfg: ModelConfig, x):
+    if cfg.hidden_act == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Per-layer values that differ between layers (scanned alongside the stacked weights)."""
+    inv_freq, attn_factor = rope_tables(cfg)
+    windows = np.asarray([cfg.layer_window(i) for i in range(cfg.num_layers)], np.int32)
+    return {"inv_freq": inv_freq, "attn_factor": attn_factor, "window": windows,
+            "index": np.arange(cfg.num_layers, dtype=np.int32)}
+
+
+def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
+    """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache)."""
+    T = x.shape[0]
+    H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
+    if cfg.attention_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q, k, v = q.reshape(T, H, hd), k.reshape(T, KV, hd), v.reshape(T, KV, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, batch["positions"], c["inv_freq"], c["attn_factor"])
+    k = apply_rope(k, batch["positions"], c["inv_freq"], c["attn_factor"])
+    k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
+    o = attention(q, k_cache, v_cache, c["index"], batch["block_tables"], batch["token_seq"],
+                  batch["positions"], scale=cfg.attn_scale, window=c["window"],
+                  softcap=cfg.attn_logit_softcap)
+    o = o.reshape(T, H * hd) @ w["o"]
+    if cfg.sandwich_norms:
+        o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
+    x = x + o
+    h = rms_norm(x, w["ffn_norm"], cfg.rms_norm_eps)
+    m = (_act(cfg, h @ w["gate"]) * (h @ w["up"])) @ w["down"]
+    if cfg.sandwich_norms:
+        m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
+    return x + m, (k_cache, v_cache)
+
+
+def embed(cfg: ModelConfig, weights, token_ids, dtype):
+    x = weights["embed"][token_ids].astype(dtype)
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, dtype)
+    return x
+
+
+def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers: bool,
+                   attention: Callable = attn_ref.paged_attention):
+    """Run all layers. Returns (final-normed hidden [T, D], (k_cache, v_cache)).
+
+    batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
+    """
+    dtype = weights["layers"]["q"].dtype
+    x = embed(cfg, weights, batch["token_ids"], dtype)
+    layers = weights["layers"]
+    if scan_layers:
+        def body(carry, xs):
+            x, kv = carry
+            w, c = xs
+            x, kv = decoder_layer(cfg, x, w, c, kv, batch, attention)
+            return (x, kv), None
+
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, consts))
+    else:
+        for i in range(cfg.num_layers):
+            w = jax.tree.map(lambda a: a[i], layers)
+            c = {k: (v[i] if k != "index" else i) for k, v in consts.items()}
+            x, kv = decoder_layer(cfg, x, w, c, kv, batch, attention)
+    return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps), kv
+
+
+def logits_from_hidden(cfg: ModelConfig, weights, h):
+    """h [N, D] -> f32 logits [N, V] (final soft-cap applied)."""
+    if "lm_head" in weights:
+        logits = h @ weights["lm_head"]
+    else:
+        logits = h @ weights["embed"].T
+    logits = logits.astype(jnp.float32)
+    if cfg.final_logit_softcap:
+        cap = cfg.final_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
