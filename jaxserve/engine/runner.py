@@ -212,7 +212,7 @@ class ModelRunner:
             seeds.append(seq.sample_seed)
         inp["st"] = build_sampling_tensors(params, S, seeds,
                                            output_lens=[len(s.seq.output_token_ids) for s in items],
-                                           eos_ids=[self._eos_ids(s.seq) for s in items])
+                                           eos_token_ids=self.cfg.eos_token_ids)
         if key[0] == "decode":
             for i, s in enumerate(items):
                 inp["token_ids"][i] = s.seq.token_at(s.start)
@@ -244,11 +244,6 @@ class ModelRunner:
                 inp["target_ids"][t:t + len(nxt)] = nxt
             t += s.num_new
         return key, inp
-
-    def _eos_ids(self, seq) -> list[int]:
-        if len(seq.output_token_ids) >= seq.params.min_tokens:
-            return []
-        return list(self.cfg.eos_token_ids) + list(seq.params.stop_token_ids)
 
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:

@@ -83,8 +83,10 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
         hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                            scan_layers=scan_layers, attention=attention)
         state = dict(state, k=k, v=v)
+        # min_tokens: EOS stays banned while fewer than min_tokens outputs exist at this inner step.
+        st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > i)
         out, state = _sample(cfg, weights, hidden, state, inp["rows"], inp["samples"], positions + 1,
-                             inp["st"], num_top)
+                             st, num_top)
         outs = {name: outs[name].at[i].set(out[name]) for name in outs}
         return state, out["tokens"], positions + 1, outs
 

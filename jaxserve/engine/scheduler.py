@@ -1,0 +1,290 @@
+"""Continuous-batching scheduler with chunked prefill, recompute preemption and multi-step decode.
+
+Host side only (no JAX). One `schedule()` builds a step under a token budget:
+  1. every running sequence in decode gets its one token (preempting the most recently admitted
+     running sequences by recompute when blocks run out);
+  2. running sequences still in (chunked) prefill get chunks of what budget is left;
+  3. waiting sequences are admitted first come, first served while budget, rows and blocks allow.
+When the step is nothing but plain decodes and nobody could be admitted, the runner is asked for
+`decode_steps` tokens per sequence in one dispatch. `update()` applies the results.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from typing import Callable
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput, StepResult
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+class Scheduler:
+    def __init__(self, engine_cfg: EngineConfig, block_manager: BlockManager):
+        self.cfg = engine_cfg
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the tail is preempted first
+        self._free_rows = list(range(engine_cfg.max_num_seqs))
+        heapq.heapify(self._free_rows)
+
+    # ---------------------------------------------------------------- queue management
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def check_prompt_fits(self, num_prompt_tokens: int, max_tokens: int | None = None) -> str | None:
+        """Why a prompt can never be served, or None.
+
+        max_tokens is not a reason to refuse: generation simply ends with LENGTH at max_model_len
+        (or when a lone sequence fills the whole cache).
+        """
+        L = self.cfg.max_model_len
+        if num_prompt_tokens <= 0:
+            return "prompt is empty"
+        if num_prompt_tokens >= L:
+            return (f"prompt has {num_prompt_tokens} tokens but max_model_len is {L} "
+                    f"(the prompt must leave room for at least one generated token)")
+        # the prompt plus the slot of the first generated token must fit in the whole cache
+        if not self.bm.can_fit_alone(num_prompt_tokens + 1):
+            bs, usable = self.bm.block_size, self.bm.num_usable_blocks
+            return (f"prompt has {num_prompt_tokens} tokens but the KV cache holds only "
+                    f"{usable * bs} tokens ({usable} blocks of {bs}), and the prompt plus one "
+                    f"generated token needs {num_prompt_tokens + 1}")
+        return None
+
+    def _remove_running(self, seq: Sequence) -> None:
+        # by identity: dataclass equality would compare whole token lists
+        for i, s in enumerate(self.running):
+            if s is seq:
+                del self.running[i]
+                return
+
+    def _release(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        if seq.row >= 0:
+            heapq.heappush(self._free_rows, seq.row)
+            seq.row = -1
+
+    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """End seq now (stop string found by the engine, abort, ...): frees its blocks and row."""
+        if seq.is_finished:
+            return
+        self._remove_running(seq)
+        for i, s in enumerate(self.waiting):
+            if s is seq:
+                del self.waiting[i]
+                break
+        self._release(seq)
+        seq.finish(reason, stop_reason)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Abort every choice of request_id that is still waiting or running."""
+        hit = [s for s in self.running if s.request_id == request_id]
+        hit += [s for s in self.waiting if s.request_id == request_id]
+        for s in hit:
+            self.finish_seq(s, FinishReason.ABORT)
+        return hit
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        # recompute: drop the KV, keep the tokens; it resumes from the front of the queue
+        self._remove_running(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput,
+                   yield_self: bool) -> bool:
+        """Preempt newer unscheduled sequences until seq can get slots for n more positions.
+
+        Returns False when seq cannot run this step: it is then preempted itself (yield_self),
+        finished (it could never fit), or left as it is to wait for a later step.
+        """
+        if not self.bm.can_fit_alone(seq.num_computed_tokens + n):
+            # could not fit even with the whole cache to itself: end it instead of thrashing
+            self.finish_seq(seq, FinishReason.LENGTH)
+            return False
+        while not self.bm.can_append(seq, n):
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            if victim is None or victim is seq:
+                # only older or already scheduled sequences hold the blocks
+                if yield_self:
+                    self._preempt(seq, out)
+                return False
+            self._preempt(victim, out)
+        return True
+
+    # ---------------------------------------------------------------- scheduling
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens seq may still generate."""
+        left = self.cfg.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - len(seq.output_token_ids))
+        return max(1, left)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_step_tokens
+        scheduled: set[int] = set()
+
+        def put(seq: Sequence, n: int, reset_row: bool = False) -> None:
+            nonlocal budget
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, reset_row))
+            scheduled.add(seq.seq_id)
+            budget -= n
+
+        # 1. decodes: one token each (budget >= max_num_seqs, so they always fit)
+        for seq in list(self.running):
+            if seq.status != SeqStatus.RUNNING or seq.is_prefill or budget <= 0:
+                continue
+            # a decode that cannot get a slot is the newest running seq: it yields to the rest
+            if self._make_room(seq, 1, scheduled, out, yield_self=True):
+                self.bm.append_slots(seq, 1)
+                put(seq, 1)
+
+        # 2. running sequences in the middle of a (chunked) prefill
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status != SeqStatus.RUNNING or seq.seq_id in scheduled:
+                continue
+            # blocked only by decodes already in this step: keep its blocks and wait; those
+            # decodes preempt it (or themselves, if newer) when they next need a block
+            if not self._make_room(seq, 1, scheduled, out, yield_self=False):
+                continue
+            # a smaller chunk beats preempting someone: take what the free blocks allow
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.capacity(seq))
+            self.bm.append_slots(seq, n)
+            put(seq, n)
+
+        # 3. admit waiting sequences, first come first served
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.allocate_prompt(seq, budget):
+                if not self.running:
+                    # nothing else holds blocks and it still does not fit: it never will
+                    self.finish_seq(seq, FinishReason.LENGTH)
+                    continue
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            seq.row = heapq.heappop(self._free_rows)
+            self.running.append(seq)
+            put(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), reset_row=True)
+
+        out.decode_steps = self._pick_decode_steps(out)
+        return out
+
+    def _pick_decode_steps(self, out: SchedulerOutput) -> int:
+        K = self.cfg.decode_steps
+        if K <= 1 or not out.scheduled or out.preempted:
+            return 1
+        # anyone waiting for a free seat should get it next step, not K steps later
+        if self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            return 1
+        if len(out.scheduled) != len(self.running):
+            return 1  # a running prefill sat this step out for blocks: do not keep it waiting K
+        for s in out.scheduled:
+            if s.num_new != 1 or not s.samples or s.reset_row:
+                return 1
+            K = min(K, self._remaining(s.seq))
+        if K <= 1:
+            return 1
+        # lookahead slots for all K positions of every sequence, or no multi-step at all
+        need = sum(self.bm.blocks_needed(s.seq, K) for s in out.scheduled)
+        if need > self.bm.num_free_blocks:
+            return 1
+        for s in out.scheduled:
+            self.bm.append_slots(s.seq, K)
+        return K
+
+    # ---------------------------------------------------------------- results
+
+    def _stops(self, seq: Sequence, tok: int, eos_check: Callable[[int], bool]) -> bool:
+        p = seq.params
+        if len(seq.output_token_ids) > p.min_tokens:
+            if tok in p.stop_token_ids:
+                seq.finish(FinishReason.STOP, tok)
+                return True
+            if not p.ignore_eos and eos_check(tok):
+                seq.finish(FinishReason.STOP)
+                return True
+        if p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens:
+            seq.finish(FinishReason.LENGTH)
+            return True
+        if seq.num_tokens >= self.cfg.max_model_len:
+            seq.finish(FinishReason.LENGTH)
+            return True
+        return False
+
+    def update(self, sched_out: SchedulerOutput, result: StepResult,
+               eos_check: Callable[[int], bool]) -> list[Sequence]:
+        """Apply one step's results. Returns the sequences that got tokens or finished."""
+        changed: list[Sequence] = []
+        K = sched_out.decode_steps
+        for i, ss in enumerate(sched_out.scheduled):
+            seq = ss.seq
+            if seq.status != SeqStatus.RUNNING:
+                continue  # aborted or stopped while the step ran: its blocks are already gone
+            if ss.start != seq.num_computed_tokens:
+                raise RuntimeError(f"seq {seq.seq_id}: step started at {ss.start} but "
+                                   f"{seq.num_computed_tokens} tokens are computed")
+            samples = ss.samples
+            plp = result.prompt_logprobs[i] if result.prompt_logprobs else None
+            if plp:
+                self._add_prompt_logprobs(seq, ss.start, plp)
+            seq.num_computed_tokens += ss.num_new
+            if samples:
+                toks = result.tokens[i]
+                if not toks:
+                    raise RuntimeError(f"seq {seq.seq_id} was due a sampled token but got none")
+                lps = result.logprobs[i] if result.logprobs else None
+                for j, tok in enumerate(toks[:K]):
+                    if j:
+                        seq.num_computed_tokens += 1  # the previous sampled token was fed back
+                    seq.output_token_ids.append(int(tok))
+                    if lps is not None and j < len(lps):
+                        seq.output_logprobs.append(lps[j])
+                    if seq.first_token_time is None:
+                        seq.first_token_time = time.monotonic()
+                    if self._stops(seq, int(tok), eos_check):
+                        break  # tokens after the stop are dropped
+            # name newly full blocks before a finished seq gives them back, so they stay cached
+            self.bm.commit_computed(seq)
+            if seq.is_finished:
+                self._remove_running(seq)
+                self._release(seq)
+            if samples or seq.is_finished:
+                changed.append(seq)
+        return changed
+
+    @staticmethod
+    def _add_prompt_logprobs(seq: Sequence, start: int, plp: list) -> None:
+        # entry j is for position start + 1 + j; keep only prompt positions not recorded yet
+        # (a recompute after preemption sends them again)
+        P = seq.num_prompt_tokens
+        for j, entry in enumerate(plp):
+            pos = start + 1 + j
+            if pos >= P:
+                break
+            if pos == len(seq.prompt_logprobs) + 1:
+                seq.prompt_logprobs.append(entry)
