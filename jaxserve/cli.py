@@ -80,8 +80,8 @@ def _make_llm(args):
     from jaxserve.engine.llm import LLM
 
     ecfg = engine_config_from_args(args)
-    model = args.weights_path or args.model
-    return LLM(model, file=args.file, yarn_scaling_factor=args.yarn_scaling_factor,
+    return LLM(args.model, file=args.file, weights_file=args.weights_path,
+               yarn_scaling_factor=args.yarn_scaling_factor,
                **{k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__
                   if k not in ("token_buckets", "seq_buckets")})
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(args, "server_log_level", None) or args.log_level
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jaxserve.config import ConfigError
-    from jaxserve.loader.errors import ModelNotFoundError
+    from jaxserve.loader.source import ModelNotFoundError
 
     try:
         return args.func(args) or 0

@@ -31,6 +31,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     decode_steps: int = 1
     preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (never fit, ...)
 
     @property
     def num_tokens(self) -> int:

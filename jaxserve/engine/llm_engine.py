@@ -34,7 +34,8 @@ class LoadedModel:
     generation_defaults: dict | None = None
 
 
-def load_model(model: str | None, *, file: str | None = None, dtype: str = "float32",
+def load_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
+               dtype: str = "float32",
                yarn_scaling_factor: float | None = None, revision: str | None = None) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device."""
     import dataclasses
@@ -45,7 +46,7 @@ def load_model(model: str | None, *, file: str | None = None, dtype: str = "floa
     from jaxserve.loader.materialize import materialize
     from jaxserve.loader.tokenizer import Tokenizer
 
-    res = source.resolve_model(model, file=file, revision=revision)
+    res = source.resolve_model(model, file=file, weights_file=weights_file, revision=revision)
     gen_defaults = None
     if res.kind == "gguf":
         from jaxserve.loader import gguf_loader
@@ -58,12 +59,13 @@ def load_model(model: str | None, *, file: str | None = None, dtype: str = "floa
     else:
         import json
 
-        from jaxserve.loader.hf_config import model_config_from_hf
+        from jaxserve.loader.hf_config import model_config_from_dir
         from jaxserve.loader.safetensors_loader import iter_safetensors_tensors
 
-        cfg = model_config_from_hf(json.loads((res.model_dir / "config.json").read_text()))
+        cfg = model_config_from_dir(res.model_dir, yarn_scaling_factor=yarn_scaling_factor)
+        yarn_scaling_factor = None  # applied by the HF config mapping
         tok = Tokenizer.from_dir(res.tokenizer_dir or res.model_dir)
-        tensors = lambda c: iter_safetensors_tensors(res.model_dir, c)
+        tensors = lambda c: iter_safetensors_tensors(res.model_dir, c, files=res.paths)
         gen = res.model_dir / "generation_config.json"
         if gen.exists():
             gen_defaults = json.loads(gen.read_text())
@@ -72,7 +74,8 @@ def load_model(model: str | None, *, file: str | None = None, dtype: str = "floa
 
         cfg = dataclasses.replace(cfg, rope_scaling=RopeScaling(
             rope_type="yarn", factor=yarn_scaling_factor,
-            original_max_position_embeddings=cfg.max_position_embeddings))
+            original_max_position_embeddings=cfg.max_position_embeddings),
+            max_position_embeddings=int(cfg.max_position_embeddings * yarn_scaling_factor))
     # The tokenizer knows end-of-turn tokens the model config may not list.
     eos = tuple(dict.fromkeys(list(cfg.eos_token_ids) + sorted(tok.eos_token_ids)))
     cfg = dataclasses.replace(cfg, eos_token_ids=eos)
@@ -84,7 +87,8 @@ def load_model(model: str | None, *, file: str | None = None, dtype: str = "floa
 
 class LLMEngine:
     def __init__(self, model: str | LoadedModel | None = None, *, engine_config: EngineConfig | dict | None = None,
-                 file: str | None = None, yarn_scaling_factor: float | None = None, attention=None,
+                 file: str | None = None, weights_file: str | None = None,
+                 yarn_scaling_factor: float | None = None, attention=None,
                  warmup: bool = True):
         from jaxserve.engine.block_manager import BlockManager
         from jaxserve.engine.runner import ModelRunner, choose_num_blocks, setup_compilation_cache
@@ -96,7 +100,8 @@ class LLMEngine:
         setup_compilation_cache(ecfg.compile_cache_dir)
         t0 = time.perf_counter()
         lm = model if isinstance(model, LoadedModel) else load_model(
-            model, file=file, dtype=ecfg.dtype, yarn_scaling_factor=yarn_scaling_factor)
+            model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
+            yarn_scaling_factor=yarn_scaling_factor)
         self.load_seconds = time.perf_counter() - t0
         self.model = lm
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
@@ -116,6 +121,7 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self._rng = random.Random(ecfg.seed)
         self.num_steps = 0
+        self.num_preemptions = 0
         if warmup:
             self.runner.warmup()
 
@@ -172,36 +178,36 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs: list[SeqOutput] = []
         for seq in sched.preempted:
+            self.num_preemptions += 1
             log.debug("preempted seq %d (request %s)", seq.seq_id, seq.request_id)
+        for seq in sched.finished:  # ended without running (e.g. could never fit)
+            if seq.seq_id in self.text_states:
+                outputs.append(SeqOutput(seq, [], "", True))
+                self._retire(seq)
         if sched.is_empty:
-            return self._collect_finished_without_step()
+            return outputs
         result = self.runner.execute(sched)
         now = time.monotonic()
         self.scheduler.update(sched, result, self._eos)
         self.num_steps += 1
-        seen = set()
         for item in sched.scheduled:
             seq = item.seq
-            if seq.seq_id in seen:
-                continue
-            seen.add(seq.seq_id)
             ts = self.text_states.get(seq.seq_id)
-            if ts is None:
+            if ts is None:  # aborted meanwhile, or already reported
                 continue
             if seq.output_token_ids and seq.first_token_time is None:
                 seq.first_token_time = now
-            was_finished = seq.is_finished
-            new_ids, text, lps = ts.consume()
-            if seq.is_finished and not was_finished:  # a stop string ended it
-                self.scheduler.finish_seq(seq, seq.finish_reason, seq.stop_reason)
-            if new_ids or seq.is_finished:
+            new_ids, text, lps, stop = ts.consume()
+            if stop is not None:
+                if seq.is_finished:  # EOS/length in the same step, after the stop string
+                    seq.finish(FinishReason.STOP, stop)
+                else:
+                    self.scheduler.finish_seq(seq, FinishReason.STOP, stop)
+            if new_ids or text or seq.is_finished:
                 outputs.append(SeqOutput(seq, new_ids, text, seq.is_finished, lps))
             if seq.is_finished:
                 self._retire(seq)
         return outputs
-
-    def _collect_finished_without_step(self) -> list[SeqOutput]:
-        return []
 
     def _retire(self, seq: Sequence) -> None:
         self.text_states.pop(seq.seq_id, None)
@@ -220,4 +226,5 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.prefix_hits_tokens,
             "prefix_cache_query_tokens": bm.prefix_queries_tokens,
             "num_steps": self.num_steps,
+            "num_preemptions": self.num_preemptions,
         }

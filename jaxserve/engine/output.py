@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxserve.engine.sequence import FinishReason, Sequence
+from jaxserve.engine.sequence import Sequence
 
 
 @dataclass
@@ -37,16 +37,18 @@ class TextState:
         stops = seq.params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
 
-    def consume(self) -> tuple[list[int], str, list]:
-        """Take the tokens appended since last call; return (new ids, new emittable text, new logprobs).
+    def consume(self) -> tuple[list[int], str, list, str | None]:
+        """Take the tokens appended since last call.
 
-        May finish the sequence on a stop string (caller frees its blocks)."""
+        Returns (new ids, new emittable text, new logprobs, stop string hit or None). On a hit the
+        tokens after it are dropped and the caller must finish the sequence (freeing its blocks)."""
         seq = self.seq
         new_ids = seq.output_token_ids[self.num_tokens:]
         new_lps = seq.output_logprobs[self.num_tokens:] if seq.output_logprobs else []
         start = self.num_tokens
         self.num_tokens = len(seq.output_token_ids)
         stops = seq.params.stop
+        hit_stop = None
         for j, tok in enumerate(new_ids):
             delta = self.detok.add([tok])
             if not delta:
@@ -67,15 +69,15 @@ class TextState:
                     new_ids = new_ids[:j + 1]
                     new_lps = new_lps[:j + 1] if new_lps else new_lps
                     self.num_tokens = keep
-                    seq.finish(FinishReason.STOP, s)
+                    hit_stop = s
                     break
-        if seq.is_finished:
+        if seq.is_finished or hit_stop is not None:
             limit = len(self.text)
         else:
             limit = max(self.emitted, len(self.text) - self.holdback)
         out = self.text[self.emitted:limit]
         self.emitted = limit
-        return new_ids, out, new_lps
+        return new_ids, out, new_lps, hit_stop
 
     def _find_stop(self, search_from: int):
         best = None

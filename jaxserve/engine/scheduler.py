@@ -30,6 +30,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the tail is preempted first
         self._free_rows = list(range(engine_cfg.max_num_seqs))
         heapq.heapify(self._free_rows)
+        self._finished_log: list[Sequence] = []
 
     # ---------------------------------------------------------------- queue management
 
@@ -92,6 +93,7 @@ class Scheduler:
                 break
         self._release(seq)
         seq.finish(reason, stop_reason)
+        self._finished_log.append(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Abort every choice of request_id that is still waiting or running."""
@@ -143,6 +145,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # Sequences ended outside a step (could never fit, aborted, stop string) are reported once.
+        out.finished, self._finished_log = self._finished_log, []
         budget = self.cfg.max_step_tokens
         scheduled: set[int] = set()
 

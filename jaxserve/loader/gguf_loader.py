@@ -1,0 +1,322 @@
+"""GGUF checkpoints: open (split) files, map their metadata onto ModelConfig, stream canonical weights.
+
+Conventions undone here (see ModelConfig): GGUF stores matrices [out, in] and we want [in, out];
+llama.cpp permutes the q/k rows of `llama`-arch models for its interleaved RoPE, which we reverse to
+HF's rotate-half layout (qwen2/qwen3/gemma are converted unpermuted); Gemma's norms are stored as
+1 + w by the converter, which is exactly our "effective multiplier", so they pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from jaxserve.config import ConfigError, ModelConfig, RopeScaling
+from jaxserve.loader.dequant import dequantize_tensor
+
+log = logging.getLogger(__name__)
+
+_SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+
+# Token texts llama.cpp also treats as end-of-generation when the file names no eot id for them.
+EOG_TOKEN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                   "<|end_of_text|>", "<｜end▁of▁sentence｜>")
+
+
+def shard_paths(path: str | os.PathLike) -> list[Path]:
+    """All shards of a split GGUF (`name-00001-of-00003.gguf`), given any of them; [path] if not split."""
+    path = Path(path)
+    m = _SHARD_RE.match(path.name)
+    if not m:
+        return [path]
+    n = int(m["n"])
+    paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF shard {p} is missing (model split into {n} files)")
+    return paths
+
+
+def open_gguf(path: str | os.PathLike) -> list:
+    """Open a GGUF file, or every shard of a split one in order, as memory-mapped `GGUFReader`s."""
+    from gguf import GGUFReader
+
+    paths = shard_paths(path)
+    if not paths[0].is_file():
+        raise FileNotFoundError(f"GGUF file {paths[0]} does not exist")
+    return [GGUFReader(str(p)) for p in paths]
+
+
+def _readers(readers) -> list:
+    return list(readers) if isinstance(readers, (list, tuple)) else [readers]
+
+
+def meta_get(readers, key: str, default: Any = None) -> Any:
+    """A metadata value (python scalar, str or list); the first shard that has the key wins."""
+    for r in _readers(readers):
+        field = r.fields.get(key)
+        if field is not None:
+            value = field.contents()
+            return value.tolist() if isinstance(value, np.ndarray) else value
+    return default
+
+
+def meta_len(readers, key: str) -> int | None:
+    """Length of an array field without decoding it (the token list of a big vocabulary is slow to read)."""
+    for r in _readers(readers):
+        field = r.fields.get(key)
+        if field is not None:
+            return len(field.data)
+    return None
+
+
+def tensor_names(readers) -> set[str]:
+    return {t.name for r in _readers(readers) for t in r.tensors}
+
+
+def _scalar(value, what: str, reduce=max):
+    """Per-layer arrays (some converters write them) collapse to one value when they agree."""
+    if isinstance(value, list):
+        if len(set(value)) > 1:
+            log.warning("%s varies per layer (%s); using %s", what, value, reduce(value))
+        return reduce(value)
+    return value
+
+
+def _rope_scaling(readers, arch: str) -> RopeScaling | None:
+    p = f"{arch}.rope.scaling."
+    rtype = meta_get(readers, p + "type")
+    factor = meta_get(readers, p + "factor")
+    if rtype is None and (linear := meta_get(readers, f"{arch}.rope.scale_linear")) is not None:
+        rtype, factor = "linear", linear  # the pre-2024 key
+    if rtype in (None, "none") or factor is None or (float(factor) == 1.0 and rtype != "yarn"):
+        return None
+    kw: dict[str, Any] = {"factor": float(factor)}
+    if (orig := meta_get(readers, p + "original_context_length")) is not None:
+        kw["original_max_position_embeddings"] = int(orig)
+    if rtype == "yarn":
+        # not `attn_factor`: llama.cpp multiplies yarn's own mscale by it, HF's attention_factor replaces it
+        for gguf_key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (v := meta_get(readers, p + gguf_key)) is not None:
+                kw[name] = float(v)
+    elif rtype != "linear":
+        raise ConfigError(f"GGUF rope scaling type {rtype!r} is not supported")
+    return RopeScaling(rope_type=rtype, **kw)
+
+
+def _llama3_scaling(freqs: np.ndarray, head_dim: int, theta: float) -> RopeScaling:
+    """Llama 3.1+ GGUFs bake llama3 RoPE scaling into a `rope_freqs` tensor; recover its parameters.
+
+    The converter writes the standard recipe (low/high frequency factors 1 and 4 over an 8192-token
+    original context); check that this recipe reproduces the tensor rather than guess silently.
+    """
+    factor = float(freqs.max())
+    guess = RopeScaling(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=8192)
+    inv = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv
+    old = guess.original_max_position_embeddings
+    smooth = (old / wavelen - guess.low_freq_factor) / (guess.high_freq_factor - guess.low_freq_factor)
+    want = np.where(wavelen < old / guess.high_freq_factor, 1.0,
+                    np.where(wavelen > old / guess.low_freq_factor, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if want.shape != freqs.shape or not np.allclose(want, freqs, rtol=1e-3):
+        raise ConfigError("rope_freqs tensor does not follow the llama3 scaling recipe; not supported")
+    return guess
+
+
+def eog_token_ids(readers) -> tuple[int, ...]:
+    """End-of-generation ids: eos, the file's eot/eom ids, and the known end-of-turn tokens it has."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = meta_get(readers, f"tokenizer.ggml.{key}")
+        if v is not None and int(v) not in ids:
+            ids.append(int(v))
+    tokens = _token_field(readers)
+    if tokens is not None:
+        wanted = {t.encode() for t in EOG_TOKEN_TEXTS}
+        types = meta_get(readers, "tokenizer.ggml.token_type")
+        for i in _find_tokens(tokens, wanted):
+            # only as control tokens, so a plain-text piece that happens to match never stops generation
+            if (types is None or types[i] == 3) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def _token_field(readers):
+    for r in _readers(readers):
+        if "tokenizer.ggml.tokens" in r.fields:
+            return r.fields["tokenizer.ggml.tokens"]
+    return None
+
+
+def _find_tokens(field, wanted: set[bytes]) -> list[int]:
+    lengths = {len(w) for w in wanted}
+    out = []
+    for i, part_idx in enumerate(field.data):
+        part = field.parts[part_idx]
+        if len(part) in lengths and bytes(part) in wanted:
+            out.append(i)
+    return out
+
+
+def gguf_model_config(readers) -> ModelConfig:
+    """Map GGUF metadata onto ModelConfig (semantics as transformers' GGUF loader, plus llama.cpp's)."""
+    readers = _readers(readers)
+    arch = meta_get(readers, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; supported: {GGUF_ARCHS}")
+
+    def g(key, default=None):
+        return meta_get(readers, f"{arch}.{key}", default)
+
+    names = tensor_names(readers)
+    hidden = int(g("embedding_length"))
+    heads = int(_scalar(g("attention.head_count"), "head_count"))
+    kv_heads = int(_scalar(g("attention.head_count_kv", heads), "head_count_kv"))
+    head_dim = g("attention.key_length") or (g("rope.dimension_count") if arch == "llama" else None)
+    head_dim = int(head_dim or hidden // heads)
+    layers = int(g("block_count"))
+    vocab = g("vocab_size") or meta_len(readers, "tokenizer.ggml.tokens")
+    if vocab is None:
+        vocab = next(t.shape[1] for r in readers for t in r.tensors if t.name == "token_embd.weight")
+    theta = float(g("rope.freq_base", 10000.0))
+
+    cfg: dict[str, Any] = dict(
+        arch=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_scalar(g("feed_forward_length"), "feed_forward_length")),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(readers, arch),
+        max_position_embeddings=int(g("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=meta_get(readers, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eog_token_ids(readers),
+        pad_token_id=meta_get(readers, "tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "llama":  # (Mistral/Yi/SmolLM2 files are `llama` too: the same model for us)
+        if "rope_freqs.weight" in names and cfg["rope_scaling"] is None:
+            t = next(t for r in readers for t in r.tensors if t.name == "rope_freqs.weight")
+            freqs = dequantize_tensor(t).astype(np.float64)
+            if not np.allclose(freqs, 1.0):
+                cfg["rope_scaling"] = _llama3_scaling(freqs, head_dim, theta)
+    elif arch in ("gemma2", "gemma3"):
+        window = g("attention.sliding_window")
+        # llama.cpp scales queries by 1/sqrt(hidden/heads) for the 27B models, by 1/sqrt(head_dim) otherwise
+        is_27b = (arch, layers) in (("gemma2", 46), ("gemma3", 62))
+        cfg.update(
+            hidden_act="gelu_tanh",
+            sandwich_norms=True,
+            embed_scale=math.sqrt(hidden),
+            sliding_window=int(window) if window else None,
+            query_pre_attn_scalar=float(hidden // heads if is_27b else head_dim),
+        )
+        if arch == "gemma2":
+            cfg["layer_types"] = tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
+            cfg["attn_logit_softcap"] = g("attn_logit_softcapping")
+            cfg["final_logit_softcap"] = g("final_logit_softcapping")
+        else:
+            pattern = int(_scalar(g("attention.sliding_window_pattern", 6), "sliding_window_pattern"))
+            cfg["layer_types"] = tuple("full" if i % pattern == pattern - 1 else "sliding" for i in range(layers))
+            cfg["rope_local_theta"] = 10000.0
+        if not cfg["sliding_window"]:
+            cfg["layer_types"] = ("full",) * layers
+    return ModelConfig(**cfg)
+
+
+# GGUF tensor name -> (canonical name, stored [out, in] so needs a transpose)
+_GLOBAL = {
+    "token_embd.weight": ("embed", False),
+    "output_norm.weight": ("final_norm", False),
+    "output.weight": ("lm_head", True),
+}
+_PER_LAYER = {
+    "attn_norm.weight": ("layers.attn_norm", False),
+    "attn_q.weight": ("layers.q", True),
+    "attn_k.weight": ("layers.k", True),
+    "attn_v.weight": ("layers.v", True),
+    "attn_output.weight": ("layers.o", True),
+    "attn_q.bias": ("layers.q_bias", False),
+    "attn_k.bias": ("layers.k_bias", False),
+    "attn_v.bias": ("layers.v_bias", False),
+    "attn_q_norm.weight": ("layers.q_norm", False),
+    "attn_k_norm.weight": ("layers.k_norm", False),
+    "post_attention_norm.weight": ("layers.post_attn_norm", False),
+    "ffn_norm.weight": ("layers.ffn_norm", False),
+    "post_ffw_norm.weight": ("layers.post_ffn_norm", False),
+    "ffn_gate.weight": ("layers.gate", True),
+    "ffn_up.weight": ("layers.up", True),
+    "ffn_down.weight": ("layers.down", True),
+}
+_IGNORED = {"rope_freqs.weight"}  # folded into ModelConfig.rope_scaling
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row order that turns llama.cpp's permuted q/k rows back into HF's rotate-half layout.
+
+    Per head, llama.cpp interleaves HF's two halves: HF row `half * (d/2) + i` of a head sits at
+    GGUF row `2 * i + half` (what transformers' reverse_permute undoes).
+    """
+    d = n_rows // n_heads
+    h = np.arange(n_heads)[:, None, None] * d
+    half = np.arange(2)[None, :, None]
+    i = np.arange(d // 2)[None, None, :]
+    return (h + 2 * i + half).reshape(-1)
+
+
+def _progress_disabled() -> bool:
+    return os.environ.get("JAXSERVE_NO_PROGRESS") == "1" or not sys.stderr.isatty()
+
+
+def iter_gguf_tensors(readers, cfg: ModelConfig) -> Iterator[tuple[str, int | None, np.ndarray]]:
+    """Yield `(canonical name, layer or None, float32 array)` tensor by tensor, in canonical layout."""
+    from tqdm.auto import tqdm
+
+    readers = _readers(readers)
+    tensors = [t for r in readers for t in r.tensors]
+    permute = meta_get(readers, "general.architecture") == "llama"
+    with tqdm(total=len(tensors), desc="loading GGUF", unit="tensor", disable=_progress_disabled()) as bar:
+        for t in tensors:
+            bar.update(1)
+            if t.name in _IGNORED:
+                continue
+            if t.name in _GLOBAL:
+                (name, transpose), layer = _GLOBAL[t.name], None
+            else:
+                m = _LAYER_RE.match(t.name)
+                if not m or m[2] not in _PER_LAYER:
+                    raise ValueError(f"GGUF tensor {t.name!r} is not part of a {cfg.arch} model this loader knows")
+                (name, transpose), layer = _PER_LAYER[m[2]], int(m[1])
+                if layer >= cfg.num_layers:
+                    raise ValueError(f"GGUF tensor {t.name!r}: layer {layer} >= block_count {cfg.num_layers}")
+            yield name, layer, _canonical(t, name, transpose, permute, cfg)
+
+
+def _canonical(t, name: str, transpose: bool, permute: bool, cfg: ModelConfig) -> np.ndarray:
+    shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order: [out, in]
+    if permute and name in ("layers.q", "layers.k", "layers.q_bias", "layers.k_bias"):
+        heads = cfg.num_heads if name.startswith("layers.q") else cfg.num_kv_heads
+        w = dequantize_tensor(t)[unpermute_rows(shape[0], heads)]
+        return np.ascontiguousarray(w.T) if transpose else w
+    if transpose and len(shape) == 2:
+        res = np.empty(shape[::-1], dtype=np.float32)
+        dequantize_tensor(t, out=res.T)  # write straight into the transposed layout: no second copy
+        return res
+    return dequantize_tensor(t)

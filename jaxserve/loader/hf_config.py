@@ -1,0 +1,248 @@
+"""Map a Hugging Face `config.json` onto ModelConfig.
+
+Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3 (multimodal: its `text_config`) and
+gemma3_text. Fields missing from the file take transformers' class defaults for that model type, because
+HF configs on the Hub (notably Gemma 3's `text_config`) omit fields equal to those defaults.
+
+Sliding windows follow transformers' convention: a query at position q sees keys k with
+q - sliding_window < k <= q (the window counts the query itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from jaxserve.config import ConfigError, ModelConfig, RopeScaling
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text")
+
+# transformers' class defaults (only the fields we read).
+_COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, hidden_act="silu",
+               bos_token_id=None, eos_token_id=None, pad_token_id=None, attention_bias=False)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "mistral": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    bos_token_id=1, eos_token_id=2, sliding_window=4096),
+    "qwen2": dict(_COMMON, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768,
+                  use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(_COMMON, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                  use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "gemma2": dict(_COMMON, vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                   hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, pad_token_id=0,
+                   eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(_COMMON, vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, pad_token_id=0,
+                        eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                        sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None,
+                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window_pattern=6),
+}
+
+_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+         "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _eos_ids(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, (list, tuple)):
+        return tuple(int(x) for x in v)
+    return (int(v),)
+
+
+def _rope_scaling(params: dict[str, Any], max_pos: int, d: dict[str, Any]) -> RopeScaling | None:
+    rtype = params.get("rope_type") or params.get("type") or "default"
+    if rtype == "default":
+        return None
+    if rtype not in ("linear", "llama3", "yarn"):
+        raise ConfigError(f"unsupported rope scaling type {rtype!r}; supported: default, linear, llama3, yarn")
+    # transformers fills a missing original length from the config (Phi-3 style top-level field first).
+    orig = params.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or max_pos
+    factor = params.get("factor")
+    if factor is None:
+        if rtype != "yarn":
+            raise ConfigError(f"rope scaling {rtype!r} needs a factor")
+        factor = max_pos / orig  # transformers' fallback for yarn without a factor
+    kw: dict[str, Any] = dict(rope_type=rtype, factor=float(factor), original_max_position_embeddings=int(orig))
+    for k in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if params.get(k) is not None:
+            kw[k] = float(params[k])
+    if params.get("attention_factor") is not None:
+        kw["attention_factor"] = float(params["attention_factor"])
+    if params.get("truncate") is not None:
+        kw["truncate"] = bool(params["truncate"])
+    return RopeScaling(**kw)
+
+
+def _rope(d: dict[str, Any], mtype: str, max_pos: int):
+    """-> (rope_theta, rope_local_theta, rope_scaling) from `rope_parameters` (transformers 5) or the legacy
+    `rope_theta` / `rope_scaling` / `rope_local_base_freq` fields."""
+    rp = d.get("rope_parameters") or {}
+    nested = "full_attention" in rp or "sliding_attention" in rp  # per-layer-type dicts (Gemma 3)
+    full = dict((rp.get("full_attention") or {}) if nested else rp)
+    sliding = dict(rp.get("sliding_attention") or {}) if nested else {}
+    if d.get("rope_scaling"):
+        full.update(d["rope_scaling"])  # legacy field: transformers gives it priority
+    if float(full.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0) != 1.0:
+        raise ConfigError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    theta = float(full.get("rope_theta") or d.get("rope_theta"))
+    scaling = _rope_scaling(full, max_pos, d)
+    local = None
+    if mtype == "gemma3_text":
+        local = float(sliding.get("rope_theta") or d.get("rope_local_base_freq"))
+        if (sliding.get("rope_type") or sliding.get("type") or "default") != "default":
+            raise ConfigError("Gemma 3: rope scaling on sliding-window layers is not supported")
+    elif sliding and float(sliding.get("rope_theta") or theta) != theta:
+        raise ConfigError(f"{mtype}: a separate rope theta for sliding layers is not supported")
+    return theta, local, scaling
+
+
+def _layer_types(d: dict[str, Any], mtype: str, n: int) -> tuple[tuple[str, ...], int | None]:
+    """-> (layer types, sliding window) following each model's transformers code."""
+    window = d.get("sliding_window")
+    given = d.get("layer_types")
+    if mtype in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+        window = None  # transformers drops the window unless use_sliding_window is set
+    if mtype == "llama" or not window:
+        return ("full",) * n, None
+    if given:
+        unknown = sorted(set(given) - set(_LAYER_TYPES))
+        if unknown:
+            raise ConfigError(f"unsupported layer type(s) {unknown}; supported: {sorted(_LAYER_TYPES)}")
+        if len(given) != n:
+            raise ConfigError(f"layer_types has {len(given)} entries for {n} layers")
+        types = tuple(_LAYER_TYPES[t] for t in given)
+    elif mtype == "mistral":
+        if d.get("use_sliding_window") is False:
+            return ("full",) * n, None
+        types = ("sliding",) * n  # Mistral v0.1: every layer uses the window
+    elif mtype in ("qwen2", "qwen3"):
+        mwl = int(d.get("max_window_layers"))
+        types = tuple("sliding" if i >= mwl else "full" for i in range(n))
+    elif mtype == "gemma2":
+        types = tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
+    else:  # gemma3_text: every `pattern`-th layer is global
+        pattern = int(d.get("sliding_window_pattern") or 6)
+        types = tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
+    if "sliding" not in types:
+        return types, None
+    return types, int(window)
+
+
+def _activation(d: dict[str, Any], mtype: str) -> str:
+    name = (d.get("hidden_activation") or d.get("hidden_act")) if mtype.startswith("gemma") else d.get("hidden_act")
+    if name not in _ACTS:
+        raise ConfigError(f"unsupported activation {name!r}; supported: {sorted(_ACTS)}")
+    return _ACTS[name]
+
+
+def _text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    mtype = config.get("model_type")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"unsupported model_type {mtype!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mtype != "gemma3":
+        return mtype, dict(config)
+    # Gemma 3 multimodal: the language model lives in text_config; token ids and tying sit at the top level.
+    text = dict(config.get("text_config") or {})
+    tmtype = text.get("model_type", "gemma3_text")
+    if tmtype != "gemma3_text":
+        raise ConfigError(f"gemma3 text_config has model_type {tmtype!r}, expected 'gemma3_text'")
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if k in config and k not in text:
+            text[k] = config[k]
+    return "gemma3_text", text
+
+
+def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = None) -> ModelConfig:
+    """ModelConfig of a Hugging Face `config.json` dict.
+
+    `yarn_scaling_factor` (CLI `--yarn-scaling-factor`) replaces the rope scaling with YaRN of that factor over
+    the config's max_position_embeddings and extends max_position_embeddings by the factor.
+    """
+    mtype, raw = _text_config(config_dict)
+    d = dict(_DEFAULTS[mtype])
+    d.update(raw)  # an explicit null in the file stays null (e.g. softcapping disabled)
+    if mtype == "gemma3_text" and d.get("use_bidirectional_attention"):
+        raise ConfigError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
+    if mtype in ("llama", "mistral") and d.get("mlp_bias"):
+        raise ConfigError(f"{mtype}: mlp_bias is not supported")
+    if mtype in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text") and d.get("attention_bias"):
+        raise ConfigError(f"{mtype}: attention_bias (with an o_proj bias) is not supported")
+
+    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    kv_heads = int(d.get("num_key_value_heads") or heads)
+    head_dim = int(d.get("head_dim") or hidden // heads)
+    n = int(d["num_hidden_layers"])
+    max_pos = int(d["max_position_embeddings"])
+    theta, local_theta, scaling = _rope(d, mtype, max_pos)
+    if yarn_scaling_factor is not None:
+        if yarn_scaling_factor <= 0:
+            raise ConfigError(f"yarn scaling factor must be > 0, got {yarn_scaling_factor}")
+        scaling = RopeScaling(rope_type="yarn", factor=float(yarn_scaling_factor),
+                              original_max_position_embeddings=max_pos)
+        max_pos = int(max_pos * yarn_scaling_factor)
+    layer_types, window = _layer_types(d, mtype, n)
+    gemma = mtype in ("gemma2", "gemma3_text")
+    arch = "gemma3" if mtype == "gemma3_text" else mtype
+
+    def opt_float(k):
+        v = d.get(k)
+        return None if v is None else float(v)
+
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(d["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_local_theta=local_theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(d["tie_word_embeddings"]),
+        attention_bias=mtype == "qwen2",  # Qwen2 always has q/k/v biases (and no config flag)
+        qk_norm=mtype in ("qwen3", "gemma3_text"),
+        hidden_act=_activation(d, mtype),
+        sandwich_norms=gemma,
+        embed_scale=math.sqrt(hidden) if gemma else 1.0,
+        sliding_window=window,
+        layer_types=layer_types,
+        attn_logit_softcap=opt_float("attn_logit_softcapping") if gemma else None,
+        final_logit_softcap=opt_float("final_logit_softcapping") if gemma else None,
+        query_pre_attn_scalar=opt_float("query_pre_attn_scalar") if gemma else None,
+        bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
+        eos_token_ids=_eos_ids(d.get("eos_token_id")),
+        pad_token_id=None if d.get("pad_token_id") is None else int(d["pad_token_id"]),
+    )
+
+
+def model_config_from_dir(model_dir: str | Path, yarn_scaling_factor: float | None = None) -> ModelConfig:
+    """ModelConfig of a model directory's config.json; generation_config.json's EOS ids are added (instruct
+    models often list their end-of-turn token only there)."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir} has no config.json")
+    cfg = model_config_from_hf(json.loads(path.read_text()), yarn_scaling_factor)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        extra = _eos_ids(json.loads(gen.read_text()).get("eos_token_id"))
+        eos = cfg.eos_token_ids + tuple(t for t in extra if t not in cfg.eos_token_ids)
+        if eos != cfg.eos_token_ids:
+            cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    return cfg

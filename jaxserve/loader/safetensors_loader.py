@@ -1,0 +1,222 @@
+"""Stream a Hugging Face safetensors checkpoint as canonical tensors (see models/weights.py).
+
+The safetensors format is an 8-byte little-endian header length, a JSON header {name: {dtype, shape,
+data_offsets}} and the raw little-endian data. We parse it ourselves because the `safetensors` package's numpy
+path does not know bfloat16, and so each tensor gets its own memory map that is released as soon as the
+consumer drops the array: peak host memory stays at about one tensor, and mapped file pages do not pile up
+in the process's resident set.
+
+Yielded arrays:
+  * linear weights and embeddings keep the file's dtype (float32, float16 or ml_dtypes.bfloat16) and are
+    read-only views of the map (linear weights transposed to [in, out], i.e. not C-contiguous) — the consumer
+    converts to its target dtype, which is the one copy made;
+  * RMSNorm weights are float32 (small; Gemma's 1 + w is added in float32 as transformers does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.weights import CanonicalTensor, weight_specs
+
+_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+           "F64": np.dtype(np.float64)}
+
+# Tensors of a checkpoint that are not part of the language model.
+_IGNORED = re.compile(
+    r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\."
+    r"|\.rotary_emb\.inv_freq$"
+)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# HF per-layer suffix -> (canonical name, kind); kind: "linear" (transpose), "bias", "norm".
+_LAYER_MAP = {
+    "self_attn.q_proj.weight": ("layers.q", "linear"),
+    "self_attn.k_proj.weight": ("layers.k", "linear"),
+    "self_attn.v_proj.weight": ("layers.v", "linear"),
+    "self_attn.o_proj.weight": ("layers.o", "linear"),
+    "self_attn.q_proj.bias": ("layers.q_bias", "bias"),
+    "self_attn.k_proj.bias": ("layers.k_bias", "bias"),
+    "self_attn.v_proj.bias": ("layers.v_bias", "bias"),
+    "self_attn.q_norm.weight": ("layers.q_norm", "norm"),
+    "self_attn.k_norm.weight": ("layers.k_norm", "norm"),
+    "mlp.gate_proj.weight": ("layers.gate", "linear"),
+    "mlp.up_proj.weight": ("layers.up", "linear"),
+    "mlp.down_proj.weight": ("layers.down", "linear"),
+    "input_layernorm.weight": ("layers.attn_norm", "norm"),
+    # Llama-style models call their pre-FFN norm "post_attention_layernorm"; Gemma 2/3 override this below.
+    "post_attention_layernorm.weight": ("layers.ffn_norm", "norm"),
+}
+_GEMMA_LAYER_MAP = {
+    **_LAYER_MAP,
+    "post_attention_layernorm.weight": ("layers.post_attn_norm", "norm"),
+    "pre_feedforward_layernorm.weight": ("layers.ffn_norm", "norm"),
+    "post_feedforward_layernorm.weight": ("layers.post_ffn_norm", "norm"),
+}
+_GLOBAL_MAP = {
+    "model.embed_tokens.weight": ("embed", "embed"),
+    "model.norm.weight": ("final_norm", "norm"),
+    "lm_head.weight": ("lm_head", "linear"),
+}
+
+
+class SafetensorsError(ValueError):
+    """A malformed or unsupported safetensors checkpoint."""
+
+
+def _is_gemma(cfg: ModelConfig) -> bool:
+    # Every Gemma 2/3 RMSNorm (incl. q/k norms) computes x * (1 + w) in transformers.
+    return cfg.arch in ("gemma2", "gemma3")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a model directory: the index's shards, else model.safetensors, else the
+    directory's single *.safetensors file."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise SafetensorsError(f"{model_dir}: shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+        if not names:
+            raise SafetensorsError(f"{index} has an empty weight_map")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if len(found) == 1:
+        return found
+    if not found:
+        raise SafetensorsError(f"{model_dir} contains no .safetensors file")
+    raise SafetensorsError(f"{model_dir} has several .safetensors files ({', '.join(p.name for p in found)}) "
+                           "but no model.safetensors.index.json")
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """-> (offset of the data section, {name: {dtype, shape, data_offsets}}) of one safetensors file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise SafetensorsError(f"{path}: too short to be a safetensors file")
+        n = int.from_bytes(raw, "little")
+        if n <= 0 or 8 + n > size:
+            raise SafetensorsError(f"{path}: bad header length {n}")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    for name, info in header.items():
+        lo, hi = info["data_offsets"]
+        if not 0 <= lo <= hi or data_start + hi > size:
+            raise SafetensorsError(f"{path}: tensor {name!r} lies outside the file (truncated download?)")
+    return data_start, header
+
+
+def _map_tensor(path: Path, data_start: int, name: str, info: dict) -> np.ndarray:
+    dtype = _DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise SafetensorsError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']} "
+                               f"(supported: {', '.join(_DTYPES)})")
+    shape = tuple(int(s) for s in info["shape"])
+    lo, hi = info["data_offsets"]
+    count = int(np.prod(shape, dtype=np.int64))
+    if (hi - lo) != count * dtype.itemsize:
+        raise SafetensorsError(f"{path.name}: tensor {name!r} has {hi - lo} bytes for shape {shape} {dtype}")
+    if count == 0:
+        return np.zeros(shape, dtype)
+    # A map per tensor: unmapped (and out of our RSS) once the array is garbage.
+    return np.memmap(path, dtype=dtype, mode="r", offset=data_start + lo, shape=shape).view(np.ndarray)
+
+
+def _normalize(name: str) -> str | None:
+    """HF name -> the plain causal-LM name (`model.…` / `lm_head.weight`), or None to ignore the tensor."""
+    if _IGNORED.search(name):
+        return None
+    if name.startswith("model.language_model."):  # Gemma 3 multimodal, transformers >= 4.52
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("language_model."):  # Gemma 3 multimodal, older layout
+        return name[len("language_model."):]
+    return name
+
+
+def canonical_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None, str] | None:
+    """HF tensor name -> (canonical name, layer, kind) or None when the tensor is not used.
+
+    Raises SafetensorsError for a tensor this runtime cannot represent (so no weight is silently dropped).
+    """
+    name = _normalize(hf_name)
+    if name is None:
+        return None
+    if name in _GLOBAL_MAP:
+        canon, kind = _GLOBAL_MAP[name]
+        if canon == "lm_head" and cfg.tie_word_embeddings:
+            return None  # tied: the runtime reuses the embedding
+        return canon, None, kind
+    m = _LAYER.match(name)
+    if m:
+        layer, suffix = int(m.group(1)), m.group(2)
+        table = _GEMMA_LAYER_MAP if _is_gemma(cfg) else _LAYER_MAP
+        if suffix in table:
+            if layer >= cfg.num_layers:
+                raise SafetensorsError(f"tensor {hf_name!r}: layer {layer} but the config has {cfg.num_layers} layers")
+            canon, kind = table[suffix]
+            if canon not in weight_specs(cfg):
+                raise SafetensorsError(f"tensor {hf_name!r} ({canon}) does not fit the config of this {cfg.arch} model")
+            return canon, layer, kind
+    raise SafetensorsError(f"unexpected tensor {hf_name!r} in a {cfg.arch} checkpoint")
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    disable = os.environ.get("JAXSERVE_NO_PROGRESS") == "1" or not sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable, leave=False)
+
+
+def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig,
+                             files: list[str | Path] | None = None) -> Iterator[CanonicalTensor]:
+    """Yield (canonical name, layer | None, array) for every weight of the checkpoint in `model_dir`.
+
+    Tensors come in file order (sequential reads). Linear weights are transposed to [in, out]; Gemma norm
+    weights get + 1. Dtypes: see the module docstring. Vision-tower tensors are skipped, as is lm_head
+    when the embeddings are tied. Completeness is not checked here: pass the stream through
+    `weights.iter_checked` (materialize does). `files`: explicit safetensors files (default: the directory's
+    checkpoint, see checkpoint_files).
+    """
+    files = [Path(f) for f in files] if files else checkpoint_files(model_dir)
+    headers = [(p, *read_header(p)) for p in files]
+    total = sum(info["data_offsets"][1] - info["data_offsets"][0] for _, _, h in headers for info in h.values())
+    gemma = _is_gemma(cfg)
+    with _progress(total, f"loading {Path(model_dir).name}") as bar:
+        for path, data_start, header in headers:
+            for hf_name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                nbytes = info["data_offsets"][1] - info["data_offsets"][0]
+                target = canonical_name(hf_name, cfg)
+                if target is None:
+                    bar.update(nbytes)
+                    continue
+                canon, layer, kind = target
+                arr = _map_tensor(path, data_start, hf_name, info)
+                if kind == "linear":
+                    if arr.ndim != 2:
+                        raise SafetensorsError(f"tensor {hf_name!r} should be 2-D, has shape {arr.shape}")
+                    arr = arr.T
+                elif kind == "norm":
+                    arr = np.asarray(arr, dtype=np.float32)
+                    if gemma:
+                        arr = arr + np.float32(1.0)
+                yield canon, layer, arr
+                del arr
+                bar.update(nbytes)

@@ -1,0 +1,100 @@
+"""Tiny random Hugging Face checkpoints for tests (built with transformers, saved as safetensors).
+
+    path = make_tiny_model("gemma3", tmp_path)           # -> directory with config.json + model.safetensors
+    path = make_tiny_model("llama", tmp_path, shards=2)   # -> sharded, with model.safetensors.index.json
+
+Weights are re-randomized with a large std so logits are far from flat (top-1 is meaningful), and norm
+weights are random too, so Gemma's (1 + w) handling is exercised. Deterministic for a given `seed`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "yarn", "linear_rope")
+
+_BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def _config(family: str, overrides: dict):
+    import transformers as tf
+
+    kw = dict(_BASE)
+    if family in ("llama", "llama3_rope", "yarn", "linear_rope"):
+        cls = tf.LlamaConfig
+        kw["rope_parameters"] = {
+            "llama": {"rope_type": "default", "rope_theta": 10000.0},
+            "llama3_rope": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 64},
+            "linear_rope": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        }[family]
+    elif family == "mistral":
+        cls = tf.MistralConfig
+        kw.update(sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif family == "qwen2":
+        cls = tf.Qwen2Config
+        kw.update(tie_word_embeddings=True, eos_token_id=[2, 3], rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif family == "qwen3":
+        cls = tf.Qwen3Config
+        kw.update(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif family == "gemma2":
+        cls = tf.Gemma2Config
+        kw.update(num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=32, tie_word_embeddings=True,
+                  rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=50.0,
+                  final_logit_softcapping=30.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif family == "gemma3":
+        cls = tf.Gemma3TextConfig
+        # 6 layers: 5 sliding + 1 global; linear scaling on the global layer as in Gemma 3 4B+.
+        kw.update(num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=32, tie_word_embeddings=True,
+                  rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; known: {FAMILIES}")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def make_tiny_model(family: str, tmp_path, dtype: str = "float32", shards: int = 1, seed: int = 0,
+                    std: float = 0.2, **overrides) -> Path:
+    """Build, randomize and save a tiny `family` model under tmp_path/<family>[-<dtype>][-s<shards>].
+
+    `overrides` go to the transformers config (e.g. num_hidden_layers=3, tie_word_embeddings=False).
+    """
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(1)  # tests share 2 cores
+    tf.utils.logging.disable_progress_bar()
+    cfg = _config(family, overrides)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
+    gemma = family.startswith("gemma")
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                # Gemma stores w with an effective multiplier (1 + w); others store the multiplier itself.
+                p.copy_(0.3 * noise if gemma else 1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            else:
+                p.copy_(std * noise)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model = model.to(getattr(torch, dtype))
+    name = family + ("" if dtype == "float32" else f"-{dtype}") + ("" if shards == 1 else f"-s{shards}")
+    out = Path(tmp_path) / name
+    if shards > 1:
+        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        model.save_pretrained(out, max_shard_size=math.ceil(total / shards) + 1)
+    else:
+        model.save_pretrained(out)
+    return out

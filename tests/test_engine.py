@@ -1,0 +1,146 @@
+"""The offline engine end to end on the real SmolLM2 GGUF: continuous batching, chunked prefill, prefix
+cache, preemption, sampling, logprobs, scoring — and nothing compiles after warm-up."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from model_files import smollm2_gguf
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def fibonacci(n):",
+    "List three colours:",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Water boils at",
+    "The best way to learn a new language is",
+]
+
+_compiles = []
+
+
+def _on_event(name, *args, **kw):
+    if "backend_compile" in name:
+        _compiles.append(name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(str(smollm2_gguf()), max_model_len=512, max_num_seqs=8, prefill_chunk_size=64,
+              decode_steps=4)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def no_compiles_while_serving(llm):
+    n = len(_compiles)
+    yield
+    assert len(_compiles) == n, f"{len(_compiles) - n} compile(s) after warm-up"
+
+
+def _greedy(n=24, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_batched_equals_alone(llm):
+    together = llm.generate(PROMPTS, _greedy())
+    for p, t in zip(PROMPTS, together):
+        alone = llm.generate(p, _greedy())[0]
+        assert alone.outputs[0].token_ids == t.outputs[0].token_ids, p
+        assert t.outputs[0].finish_reason == "length"
+        assert len(t.outputs[0].token_ids) == 24
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(llm):
+    """A prompt longer than the 64-token chunk, greedy tokens identical to transformers' generate."""
+    import torch
+    import transformers
+
+    path = smollm2_gguf()
+    text = " ".join(PROMPTS) * 4
+    ids = llm.tokenizer.encode(text)
+    assert len(ids) > 150
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    out = llm.generate([ids], _greedy(16))[0]
+    assert out.outputs[0].token_ids == ref
+
+
+def test_prefix_cache_hit_and_same_output(llm):
+    system = "You are a meticulous assistant who answers briefly and precisely. " * 6
+    a = llm.generate(system + "Name a fruit.", _greedy(8))[0]
+    b = llm.generate(system + "Name a fruit.", _greedy(8))[0]
+    c = llm.generate(system + "Name a planet.", _greedy(8))[0]
+    assert b.num_cached_tokens >= 64 and c.num_cached_tokens >= 64
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert llm.engine.block_manager.prefix_hits_tokens > 0
+
+
+def test_seeded_sampling_is_batch_invariant(llm):
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], p)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=i) for i in range(5)]
+    outs = llm.generate([PROMPTS[0]] * 3 + PROMPTS[1:6], [p] * 3 + others)
+    for o in outs[:3]:
+        assert o.outputs[0].token_ids == alone
+    unseeded = llm.generate([PROMPTS[0]] * 2, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_n_choices_differ_and_stop_strings(llm):
+    out = llm.generate(PROMPTS[3], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16))[0]
+    assert len(out.outputs) == 3 and [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    full = llm.generate(PROMPTS[2], _greedy(32))[0].outputs[0].text
+    words = full.split()
+    stop = words[min(3, len(words) - 1)]
+    cut = llm.generate(PROMPTS[2], _greedy(32, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full[:full.index(stop)]
+
+
+def test_logprobs_and_penalties(llm):
+    out = llm.generate(PROMPTS[1], _greedy(8, logprobs=5))[0].outputs[0]
+    assert len(out.logprobs) == 8
+    for tok, (lp, top) in zip(out.token_ids, out.logprobs):
+        assert len(top) == 5 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-5
+        assert all(top[i][1] >= top[i + 1][1] for i in range(4))
+    plain = llm.generate(PROMPTS[1], _greedy(24))[0].outputs[0].token_ids
+    pen = llm.generate(PROMPTS[1], _greedy(24, frequency_penalty=2.0, presence_penalty=2.0))[0]
+    toks = pen.outputs[0].token_ids
+    assert toks != plain
+    assert len(set(toks)) > len(set(plain)) or len(set(toks)) == len(toks)
+    banned = plain[0]
+    biased = llm.generate(PROMPTS[1], _greedy(4, logit_bias={banned: -100}))[0].outputs[0].token_ids
+    assert banned not in biased
+
+
+def test_score_matches_model_logprobs(llm):
+    text = "Paris is the capital and most populous city of France."
+    sc = llm.score([text, text + " It is on the Seine."])
+    assert sc[0].logprobs[0] is None and len(sc[0].logprobs) == len(sc[0].token_ids)
+    # The shared prefix has the same logprobs in both texts (and the prefix cache is bypassed).
+    n = len(sc[0].token_ids)
+    np.testing.assert_allclose(sc[0].logprobs[1:], sc[1].logprobs[1:n], atol=1e-4)
+    assert all(lp <= 0 for lp in sc[0].logprobs[1:])
+    assert 1.0 < sc[0].perplexity < 1000
+
+
+def test_preemption_gives_same_greedy_output():
+    n0 = len(_compiles)
+    small = LLM(str(smollm2_gguf()), max_model_len=256, max_num_seqs=8, prefill_chunk_size=64,
+                num_blocks=16, block_size=16)
+    del _compiles[n0:]  # its own warm-up compiles; nothing may compile after them
+    prompts = [p + " " + p for p in PROMPTS] + PROMPTS[:2]
+    alone = [small.generate(p, _greedy(48))[0].outputs[0].token_ids for p in prompts]
+    together = small.generate(prompts, _greedy(48))
+    assert [o.outputs[0].token_ids for o in together] == alone
+    assert small.engine.num_preemptions > 0
+    bm = small.engine.block_manager
+    assert bm.num_used_blocks == 0
