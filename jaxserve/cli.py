@@ -127,7 +127,6 @@ def cmd_generate(args) -> int:
 def cmd_score(args) -> int:
     from tqdm import tqdm
 
-    llm = _make_llm(args)
     texts, rows = [], []
     with open(args.input) as f:
         for n, line in enumerate(f, 1):
@@ -142,6 +141,7 @@ def cmd_score(args) -> int:
                 raise SystemExit(f"{args.input}:{n}: needs a non-empty string field {args.field!r}")
             texts.append(text)
             rows.append(row)
+    llm = _make_llm(args)  # after the input is known to be good: loading takes a while
     out_f = open(args.output, "w") if args.output != "-" else sys.stdout
     bs = max(1, args.batch_size)
     with tqdm(total=len(texts), desc="score", disable=not sys.stderr.isatty()) as bar:

@@ -63,7 +63,7 @@ def test_smollm2_logits_match_transformers(smollm2):
 def test_smollm2_chat_knows_paris():
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(max_model_len=512, max_num_seqs=4, prefill_chunk_size=64)
+    llm = LLM(max_model_len=512, max_num_seqs=8, prefill_chunk_size=64)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text

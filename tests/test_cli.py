@@ -1,0 +1,49 @@
+"""The command line: `jaxserve generate` and `jaxserve score` on the real default model (SmolLM2)."""
+
+import json
+import subprocess
+import sys
+
+from model_files import smollm2_gguf
+
+# Same engine shape as the other SmolLM2 tests, so the persistent compilation cache is shared.
+ENGINE = ["--max-model-len", "512", "--max-num-seqs", "8", "--prefill-chunk-size", "64"]
+
+
+def _cli(*args, timeout=600):
+    smollm2_gguf()  # the default model: fetched into the user cache if missing
+    return subprocess.run([sys.executable, "-m", "jaxserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**__import__("os").environ, "JAXSERVE_NO_PROGRESS": "1"})
+
+
+def test_generate_default_model_chat():
+    r = _cli("generate", *ENGINE, "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "20")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in r.stdout
+    assert "finish_reason=stop" in r.stderr
+
+
+def test_score_jsonl(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    texts = ["The capital of France is Paris.", "The capital of France is Berlin.", "colourless green ideas"]
+    inp.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    r = _cli("score", "--model", str(smollm2_gguf()), *ENGINE, "--input", str(inp), "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        assert row["logprobs"][0] is None and len(row["logprobs"]) == row["num_tokens"] == len(row["token_ids"])
+        assert abs(sum(row["logprobs"][1:]) - row["total_logprob"]) < 1e-3
+    # The model prefers the true sentence.
+    assert rows[0]["total_logprob"] > rows[1]["total_logprob"]
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\nnot json\n')
+    r = _cli("score", *ENGINE, "--input", str(bad), "--output", str(tmp_path / "o.jsonl"))
+    assert r.returncode != 0 and "bad.jsonl:2: not JSON" in r.stderr
+    r = _cli("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x")
+    assert r.returncode == 2 and "nope.gguf" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("generate", "--block-size", "12", "--prompt", "x")
+    assert r.returncode == 2 and "block_size" in r.stderr
