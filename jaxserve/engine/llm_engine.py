@@ -20,6 +20,12 @@ from jaxserve.engine.sequence import FinishReason, Sequence
 log = logging.getLogger("jaxserve.engine")
 
 
+def jax_platform() -> str:
+    import jax
+
+    return jax.devices()[0].platform
+
+
 class PromptTooLongError(ValueError):
     param = "messages"
 
@@ -109,7 +115,15 @@ class LLMEngine:
             log.warning("max_model_len %d exceeds the model's %d positions", ecfg.max_model_len,
                         lm.cfg.max_position_embeddings)
         self.ecfg = ecfg
-        num_blocks = choose_num_blocks(lm.cfg, ecfg)
+        reserved = 0
+        if not (ecfg.num_blocks or ecfg.kv_mem_mb) and jax_platform() != "cpu":
+            # The largest step's temporaries come out of the same device memory: compile it once
+            # against a small probe cache and read its memory analysis before sizing the KV cache.
+            probe = ModelRunner(lm.cfg, ecfg, lm.weights, 2, attention=attention)
+            probe.compile(("mixed", max(ecfg.token_buckets), True))
+            reserved = probe.max_temp_bytes()
+            del probe
+        num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved)
         self.runner = ModelRunner(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention)
         max_cached = None
         if ecfg.prefix_cache_max_tokens is not None:
