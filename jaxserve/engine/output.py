@@ -71,6 +71,8 @@ class TextState:
                     self.num_tokens = keep
                     hit_stop = s
                     break
+        if seq.is_finished and hit_stop is None:
+            self.text += self.detok.flush()  # an incomplete character at the very end
         if seq.is_finished or hit_stop is not None:
             limit = len(self.text)
         else:

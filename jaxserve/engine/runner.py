@@ -91,6 +91,7 @@ class ModelRunner:
         consts = tf.layer_constants(cfg)
         self.consts = {k: jnp.asarray(v) for k, v in consts.items()}
         kv_dtype = jnp.dtype(ecfg.kv_dtype or ecfg.dtype)
+        # Axes: weights.KV_CACHE_AXES for k/v, weights.ROW_STATE_AXES for the penalty state.
         shape = (cfg.num_layers, num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.state = {
             "k": jnp.zeros(shape, kv_dtype),

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -227,13 +227,16 @@ def gguf_model_config(readers) -> ModelConfig:
             sliding_window=int(window) if window else None,
             query_pre_attn_scalar=float(hidden // heads if is_27b else head_dim),
         )
+        # every n-th layer is global (gemma2: 2, gemma3: 6); newer files may spell it out per layer
+        pattern = g("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+        if isinstance(pattern, list):
+            cfg["layer_types"] = tuple("sliding" if swa else "full" for swa in pattern)
+        else:
+            cfg["layer_types"] = tuple("full" if i % pattern == pattern - 1 else "sliding" for i in range(layers))
         if arch == "gemma2":
-            cfg["layer_types"] = tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
             cfg["attn_logit_softcap"] = g("attn_logit_softcapping")
             cfg["final_logit_softcap"] = g("final_logit_softcapping")
         else:
-            pattern = int(_scalar(g("attention.sliding_window_pattern", 6), "sliding_window_pattern"))
-            cfg["layer_types"] = tuple("full" if i % pattern == pattern - 1 else "sliding" for i in range(layers))
             cfg["rope_local_theta"] = 10000.0
         if not cfg["sliding_window"]:
             cfg["layer_types"] = ("full",) * layers

@@ -26,6 +26,11 @@ class WeightSpec:
         return bool(self.axes) and self.axes[0] == "layers"
 
 
+# Logical axes of the paged KV cache (k and v alike) and of the per-row penalty state.
+KV_CACHE_AXES = ("layers", "kv_blocks", "block", "kv_heads", "head_dim")
+ROW_STATE_AXES = ("rows", "vocab")
+
+
 def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
     """Flat dict: 'embed', 'final_norm', 'lm_head', 'layers.<name>' -> WeightSpec."""
     V, D, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers

