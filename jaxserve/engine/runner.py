@@ -26,6 +26,7 @@ from jaxserve.engine.batch import SchedulerOutput, StepResult
 from jaxserve.engine.sampling_tensors import build_sampling_tensors
 from jaxserve.kernels.paged_attention import reference as attn_ref
 from jaxserve.models import transformer as tf
+from jaxserve.models.weights import KV_CACHE_AXES, ROW_STATE_AXES
 
 log = logging.getLogger("jaxserve.runner")
 
@@ -79,8 +80,9 @@ class _Pending:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights, num_blocks: int,
-                 attention=None):
+                 attention=None, mesh=None, rules=None):
         self.cfg, self.ecfg, self.weights = cfg, ecfg, weights
+        self.mesh = mesh
         self.num_blocks = num_blocks
         self.attention = attention or attn_ref.paged_attention
         on_cpu = jax.devices()[0].platform == "cpu"
@@ -93,12 +95,27 @@ class ModelRunner:
         kv_dtype = jnp.dtype(ecfg.kv_dtype or ecfg.dtype)
         # Axes: weights.KV_CACHE_AXES for k/v, weights.ROW_STATE_AXES for the penalty state.
         shape = (cfg.num_layers, num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.state = {
-            "k": jnp.zeros(shape, kv_dtype),
-            "v": jnp.zeros(shape, kv_dtype),
-            "out_counts": jnp.zeros((self.R + 1, cfg.vocab_size), jnp.int32),
-            "prompt_mask": jnp.zeros((self.R + 1, cfg.vocab_size), jnp.bool_),
+        state_shapes = {
+            "k": (shape, kv_dtype, KV_CACHE_AXES),
+            "v": (shape, kv_dtype, KV_CACHE_AXES),
+            "out_counts": ((self.R + 1, cfg.vocab_size), jnp.int32, ROW_STATE_AXES),
+            "prompt_mask": ((self.R + 1, cfg.vocab_size), jnp.bool_, ROW_STATE_AXES),
         }
+        self.state = {}
+        for name, (shp, dt, axes) in state_shapes.items():
+            if mesh is None:
+                self.state[name] = jnp.zeros(shp, dt)
+            else:
+                from jaxserve.parallel.mesh import named
+
+                # Row state stays replicated: sampling reads whole vocab rows on every device.
+                sh = named(mesh, axes if name in ("k", "v") else (None,) * len(shp), rules)
+                self.state[name] = jax.jit(partial(jnp.zeros, shp, dt), out_shardings=sh)()
+        if mesh is not None:
+            from jaxserve.parallel.mesh import replicated
+
+            self._replicated = replicated(mesh)
+            self.consts = jax.device_put(self.consts, self._replicated)
         self.row_counted = np.zeros(self.R + 1, np.int64)  # output tokens counted per row
         self._compiled: dict[tuple, Any] = {}
         self._frozen = False
@@ -113,7 +130,8 @@ class ModelRunner:
 
     def _fn(self, key):
         common = dict(scan_layers=self.scan_layers, attention=self.attention, num_top=self.num_top,
-                      block_size=self.ecfg.block_size)
+                      block_size=self.ecfg.block_size,
+                      logits_sharding=self._replicated if self.mesh is not None else None)
         if key[0] == "decode":
             f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps, **common)
         else:
@@ -122,7 +140,8 @@ class ModelRunner:
 
     def _abstract_inputs(self, key) -> dict:
         inp = self._empty_inputs(key)
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inp)
+        sh = self._replicated if self.mesh is not None else None
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), inp)
 
     def compile(self, key):
         if key in self._compiled:
@@ -251,6 +270,8 @@ class ModelRunner:
         """Launch a step; outputs start copying to the host at once (read them with `collect`)."""
         key, inp = self.prepare(sched)
         exe = self.compile(key)
+        if self.mesh is not None:
+            inp = jax.device_put(inp, self._replicated)
         self.state, out = exe(self.consts, self.weights, self.state, inp)
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()

@@ -25,8 +25,10 @@ Cost (Gemma: V = 262144) is kept near a few passes over the logits:
     V, then a top-k): results are exact, never truncated, and the fallback only runs when some row
     needs it (it costs ~50 ms on 2 CPU cores at S=16, V=262144; little on a GPU);
   * lax.cond skips penalties when no row has any, and the whole random path when all rows are greedy;
-  * the draw is two-level (block masses, then one block), so Gumbel noise is drawn for ~nb + B
-    values per row, not V: threefry over the whole vocabulary alone cost more than everything else.
+  * a row whose kept set lies inside its top-k/top-p candidates draws among them (Gumbel noise
+    keyed by token id); other rows use an exact two-level draw (block masses, then one block), so
+    noise is drawn for ~nb + B values per row, never V: threefry over the whole vocabulary alone
+    cost more than everything else. Which draw a row uses depends only on the row itself.
 """
 
 from __future__ import annotations
@@ -114,10 +116,15 @@ def apply_penalties(logits: jax.Array, st: dict, output_counts: jax.Array, promp
     bias_ids = st["bias_ids"]
     # -1 padding must not wrap to the last token: send it out of bounds, where mode="drop" skips it
     bias_ids = jnp.where((bias_ids >= 0) & (bias_ids < V), bias_ids, V)
-    x = logits.at[rows, bias_ids].add(st["bias_vals"].astype(jnp.float32), mode="drop")
     eos = st["eos_ids"]
     eos = jnp.where(st["suppress_eos"][:, None] & (eos >= 0) & (eos < V), eos, V)
-    x = x.at[rows, eos].set(_NEG_INF, mode="drop")
+
+    def scatter(x):
+        x = x.at[rows, bias_ids].add(st["bias_vals"].astype(jnp.float32), mode="drop")
+        return x.at[rows, eos].set(_NEG_INF, mode="drop")
+
+    # a scatter first copies the whole (undonated) logits: skip it when there is nothing to write
+    x = lax.cond(jnp.any(bias_ids < V) | jnp.any(eos < V), scatter, lambda x: x, logits)
 
     rep = st["repetition"].astype(jnp.float32)
     freq = st["frequency"].astype(jnp.float32)
@@ -196,15 +203,20 @@ def _exact_threshold(s: jax.Array, mass: bool, target: jax.Array, lo: jax.Array,
 
 
 def top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array, need: jax.Array,
-                          num_candidates: int = NUM_CANDIDATES) -> jax.Array:
-    """Per-row logit threshold f32 [S] implementing top-k then top-p on z; -inf where `need` is off."""
+                          num_candidates: int = NUM_CANDIDATES):
+    """Top-k then top-p on z as a per-row logit threshold.
+
+    Returns thr f32 [S] (-inf where `need` is off), the candidates (values f32 [S, C] descending,
+    ids i32 [S, C]) and inside bool [S]: the row's kept set lies strictly inside the candidates.
+    """
     S, V = z.shape
     C = min(num_candidates, V)
-    vals, _ = block_top_k(z, C)  # [S, C] descending
-    lse = _logsumexp(z, vals[:, 0])
+    vals, ids = block_top_k(z, C)  # [S, C] descending
     k_on = top_k > 0
     k = jnp.where(k_on, jnp.minimum(top_k, V), V)
     p_on = top_p < 1.0
+    # only top-p needs the normaliser (a full exp pass)
+    lse = lax.cond(jnp.any(need & p_on), lambda: _logsumexp(z, vals[:, 0]), lambda: vals[:, 0])
     j = jnp.arange(C)[None, :]
     cum = jnp.cumsum(jnp.where(j < k[:, None], jnp.exp(vals - lse[:, None]), 0.0), axis=-1)
     kc = jnp.clip(k - 1, 0, C - 1)[:, None]
@@ -238,33 +250,58 @@ def top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array, need
         return jnp.where(fallback, t, thr)
 
     thr = lax.cond(jnp.any(fallback), exact, lambda: thr)
-    return jnp.where(need, thr, _NEG_INF)
+    # a threshold equal to the last candidate may keep ties beyond the candidates: not inside
+    inside = need & ~fallback & (thr > vals[:, C - 1])
+    return jnp.where(need, thr, _NEG_INF), vals, ids, inside
 
 
 def _thresholds(x: jax.Array, xmax: jax.Array, st: dict, inv_t: jax.Array, greedy: jax.Array,
-                num_candidates: int) -> jax.Array:
-    """Per-row threshold f32 [S] on z = x * inv_t combining top-k, top-p and min-p (-inf: keep all)."""
+                num_candidates: int):
+    """Per-row threshold f32 [S] on z = x * inv_t combining top-k, top-p and min-p (-inf: keep all),
+    plus top_k_top_p_threshold's candidates and `inside` (False for rows without top-k/top-p)."""
+    S, V = x.shape
+    C = min(num_candidates, V)
     top_k = st["top_k"].astype(jnp.int32)
     top_p = st["top_p"].astype(jnp.float32)
     need = ~greedy & ((top_k > 0) | (top_p < 1.0))
-    thr = lax.cond(jnp.any(need),
-                   lambda x: top_k_top_p_threshold(x * inv_t[:, None], top_k, top_p, need, num_candidates),
-                   lambda x: jnp.full(x.shape[:1], _NEG_INF, jnp.float32), x)
+    thr, cz, cid, inside = lax.cond(
+        jnp.any(need),
+        lambda x: top_k_top_p_threshold(x * inv_t[:, None], top_k, top_p, need, num_candidates),
+        lambda x: (jnp.full((S,), _NEG_INF, jnp.float32), jnp.full((S, C), _NEG_INF, jnp.float32),
+                   jnp.zeros((S, C), jnp.int32), jnp.zeros((S,), bool)), x)
     # min-p keeps p >= min_p * p_max, i.e. z >= z_max + log(min_p). Renormalising after top-k/p
     # scales all probabilities alike, so applying it last equals applying it to the full distribution.
     # max(x * inv) == max(x) * inv exactly: rounding is monotone.
     min_p = st["min_p"].astype(jnp.float32)
     thr_min = jnp.where(~greedy & (min_p > 0), xmax * inv_t + jnp.log(jnp.maximum(min_p, 1e-38)), _NEG_INF)
-    return jnp.maximum(thr, thr_min)
+    return jnp.maximum(thr, thr_min), cz, cid, inside
+
+
+def _row_key(s, p):
+    return jax.random.fold_in(jax.random.key(s, impl="threefry2x32"), p)
 
 
 def _row_gumbels(seed: jax.Array, positions: jax.Array, n1: int, n2: int) -> tuple[jax.Array, jax.Array]:
     """Two independent Gumbel vectors per row from fold_in(key(seed), position) only."""
     def row(s, p):
-        k1, k2 = jax.random.split(jax.random.fold_in(jax.random.key(s, impl="threefry2x32"), p))
+        k1, k2 = jax.random.split(_row_key(s, p))
         return jax.random.gumbel(k1, (n1,), jnp.float32), jax.random.gumbel(k2, (n2,), jnp.float32)
 
     return jax.vmap(row)(seed.astype(jnp.uint32), positions.astype(jnp.int32))
+
+
+def _draw_candidates(cz: jax.Array, cid: jax.Array, thr: jax.Array, seed: jax.Array,
+                     positions: jax.Array) -> jax.Array:
+    """Gumbel-max among candidates (z values cz, token ids cid) with z >= thr, for rows whose whole
+    kept set is among them: no pass over the vocabulary. Each token's noise is keyed by its id, so
+    the draw does not depend on the candidates' order."""
+    def row(s, p, ids):
+        k = jax.random.fold_in(_row_key(s, p), 0x5EED)
+        return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(k, i), (), jnp.float32))(ids)
+
+    g = jax.vmap(row)(seed.astype(jnp.uint32), positions.astype(jnp.int32), cid)
+    j = jnp.argmax(jnp.where(cz >= thr[:, None], cz, _NEG_INF) + g, axis=-1)
+    return jnp.take_along_axis(cid, j[:, None], axis=1)[:, 0]
 
 
 def _draw(xb: jax.Array, bm: jax.Array, thr: jax.Array, inv_t: jax.Array, seed: jax.Array,
@@ -290,14 +327,16 @@ def _draw(xb: jax.Array, bm: jax.Array, thr: jax.Array, inv_t: jax.Array, seed: 
 # ----------------------------------------------------------------------------- entry point
 
 def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax.Array,
-           prompt_mask: jax.Array, num_top: int, *, num_candidates: int = NUM_CANDIDATES,
-           return_processed: bool = False) -> dict[str, jax.Array]:
+           prompt_mask: jax.Array, num_top: int, *, logprobs: bool = True,
+           num_candidates: int = NUM_CANDIDATES, return_processed: bool = False) -> dict[str, jax.Array]:
     """Sample one token per row.
 
     logits f32[S, V] (any float dtype); st: build_sampling_tensors' arrays (as jnp arrays);
     positions i32[S] (position of the token being sampled: it keys the noise); output_counts
     i32[S, V] (per-token counts of the row's generated tokens); prompt_mask bool[S, V] (token occurs
-    in the prompt). num_top, num_candidates and return_processed are static.
+    in the prompt). num_top, logprobs, num_candidates and return_processed are static.
+    logprobs=False (with num_top=0) skips the raw log-softmax, an exp pass over the vocabulary:
+    "logprob" is then zeros.
 
     Returns tokens i32[S], logprob f32[S] (raw log_softmax of the sampled token), top_ids
     i32[S, num_top], top_logprobs f32[S, num_top] (raw, descending); with return_processed also
@@ -306,7 +345,8 @@ def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax
     """
     logits = logits.astype(jnp.float32)
     S, V = logits.shape
-    lse_raw = _logsumexp(logits, jnp.max(logits, axis=-1))
+    if logprobs or num_top > 0:
+        lse_raw = _logsumexp(logits, jnp.max(logits, axis=-1))
     x = apply_penalties(logits, st, output_counts, prompt_mask)
     temp = st["temperature"].astype(jnp.float32)
     greedy = temp <= 0.0
@@ -321,9 +361,14 @@ def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax
     greedy_tok = (blk * B + jnp.argmax(row, axis=-1)).astype(jnp.int32)
 
     def random_path(_):
-        thr = _thresholds(x, jnp.max(bm, axis=-1), st, inv_t, greedy, num_candidates)
-        tok = jnp.where(greedy, greedy_tok, _draw(xb, bm, thr, inv_t, st["seed"], positions))
-        return tok, thr
+        thr, cz, cid, inside = _thresholds(x, jnp.max(bm, axis=-1), st, inv_t, greedy, num_candidates)
+        seed = st["seed"]
+        # each row's draw is fixed by its own data (inside or not); the conds only skip work
+        dense = ~greedy & ~inside
+        zeros = jnp.zeros((S,), jnp.int32)
+        tok_c = lax.cond(jnp.any(inside), lambda: _draw_candidates(cz, cid, thr, seed, positions), lambda: zeros)
+        tok_d = lax.cond(jnp.any(dense), lambda: _draw(xb, bm, thr, inv_t, seed, positions), lambda: zeros)
+        return jnp.where(greedy, greedy_tok, jnp.where(inside, tok_c, tok_d)), thr
 
     def greedy_path(_):
         return greedy_tok, jnp.full((S,), _NEG_INF, jnp.float32)
@@ -331,7 +376,8 @@ def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax
     tokens, thr = lax.cond(jnp.any(~greedy), random_path, greedy_path, None)
     out = {
         "tokens": tokens,
-        "logprob": jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - lse_raw,
+        "logprob": (jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0] - lse_raw if logprobs
+                    else jnp.zeros((S,), jnp.float32)),
     }
     if num_top > 0:
         vals, ids = block_top_k(logits, min(num_top, V))

@@ -28,8 +28,10 @@ def _slots(batch, block_size):
     return blk * block_size + pos % block_size
 
 
-def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_top):
+def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_top, logits_sharding):
     logits = tf.logits_from_hidden(cfg, weights, hidden_rows)
+    if logits_sharding is not None:  # tensor parallel: every device samples from the same logits
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     out = sampler_mod.sample(logits, st, positions, state["out_counts"][rows],
                              state["prompt_mask"][rows], num_top)
     # Count what was sampled (padding and non-sampling rows go to the dummy row, then are dropped).
@@ -40,7 +42,7 @@ def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_
 
 
 def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-               prompt_lp, block_size):
+               prompt_lp, block_size, logits_sharding=None):
     R = state["out_counts"].shape[0] - 1
     # Fresh rows: clear their penalty state before counting this step's tokens into them.
     reset_rows = jnp.where(inp["reset"], inp["rows"], R)
@@ -60,10 +62,13 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
                                        scan_layers=scan_layers, attention=attention)
     state = dict(state, k=k, v=v)
     out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], inp["samples"],
-                         inp["sample_pos"], inp["st"], num_top)
+                         inp["sample_pos"], inp["st"], num_top, logits_sharding)
     out = {k: v[None] for k, v in out.items()}  # [K=1, S, ...] like the decode program
     if prompt_lp:
-        lp = jax.nn.log_softmax(tf.logits_from_hidden(cfg, weights, hidden), axis=-1)
+        logits = tf.logits_from_hidden(cfg, weights, hidden)
+        if logits_sharding is not None:
+            logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+        lp = jax.nn.log_softmax(logits, axis=-1)
         out["prompt_logprob"] = jnp.take_along_axis(lp, inp["target_ids"][:, None], axis=1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, num_top) if num_top else (lp[:, :0], lp[:, :0].astype(jnp.int32))
         out["prompt_top_ids"], out["prompt_top_logprobs"] = top_ids.astype(jnp.int32), top_lp
@@ -71,7 +76,7 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-                max_steps, block_size):
+                max_steps, block_size, logits_sharding=None):
     S = inp["token_ids"].shape[0]
     token_seq = jnp.arange(S, dtype=jnp.int32)
 
@@ -86,7 +91,7 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
         # min_tokens: EOS stays banned while fewer than min_tokens outputs exist at this inner step.
         st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > i)
         out, state = _sample(cfg, weights, hidden, state, inp["rows"], inp["samples"], positions + 1,
-                             st, num_top)
+                             st, num_top, logits_sharding)
         outs = {name: outs[name].at[i].set(out[name]) for name in outs}
         return state, out["tokens"], positions + 1, outs
 
