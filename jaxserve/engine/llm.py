@@ -61,12 +61,13 @@ _ENGINE_KEYS = {f for f in EngineConfig.__dataclass_fields__}
 class LLM:
     def __init__(self, model: str | None = None, *, file: str | None = None,
                  weights_file: str | None = None, yarn_scaling_factor: float | None = None,
-                 **engine_kwargs: Any):
+                 tensor_parallel_size: int = 1, devices=None, **engine_kwargs: Any):
         unknown = set(engine_kwargs) - _ENGINE_KEYS
         if unknown:
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; known: {sorted(_ENGINE_KEYS)}")
         self.engine = LLMEngine(model, engine_config=EngineConfig(**engine_kwargs), file=file,
-                                weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor)
+                                weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
+                                tp=tensor_parallel_size, devices=devices)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -38,11 +38,14 @@ class LoadedModel:
     name: str
     chat_template: Any = None
     generation_defaults: dict | None = None
+    mesh: Any = None
+    rules: dict | None = None
 
 
 def load_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
                dtype: str = "float32",
-               yarn_scaling_factor: float | None = None, revision: str | None = None) -> LoadedModel:
+               yarn_scaling_factor: float | None = None, revision: str | None = None,
+               tp: int = 1, devices=None) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device."""
     import dataclasses
 
@@ -85,17 +88,24 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     # The tokenizer knows end-of-turn tokens the model config may not list.
     eos = tuple(dict.fromkeys(list(cfg.eos_token_ids) + sorted(tok.eos_token_ids)))
     cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    weights = materialize(cfg, tensors(cfg), jnp.dtype(dtype))
+    mesh = rules = shardings = None
+    if tp > 1 or devices is not None:
+        from jaxserve.parallel import mesh as pmesh
+
+        rules = pmesh.check_tp(cfg, tp)
+        mesh = pmesh.make_mesh(pmesh.ParallelConfig(tp=tp, dp=1), devices=devices)
+        shardings = pmesh.weight_shardings(cfg, mesh, rules)
+    weights = materialize(cfg, tensors(cfg), jnp.dtype(dtype), shardings=shardings)
     name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
     return LoadedModel(cfg=cfg, tokenizer=tok, weights=weights, name=name,
-                       generation_defaults=gen_defaults)
+                       generation_defaults=gen_defaults, mesh=mesh, rules=rules)
 
 
 class LLMEngine:
     def __init__(self, model: str | LoadedModel | None = None, *, engine_config: EngineConfig | dict | None = None,
                  file: str | None = None, weights_file: str | None = None,
                  yarn_scaling_factor: float | None = None, attention=None,
-                 warmup: bool = True):
+                 warmup: bool = True, tp: int = 1, devices=None):
         from jaxserve.engine.block_manager import BlockManager
         from jaxserve.engine.runner import ModelRunner, choose_num_blocks, setup_compilation_cache
         from jaxserve.engine.scheduler import Scheduler
@@ -107,7 +117,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         lm = model if isinstance(model, LoadedModel) else load_model(
             model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
-            yarn_scaling_factor=yarn_scaling_factor)
+            yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices)
         self.load_seconds = time.perf_counter() - t0
         self.model = lm
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
@@ -119,12 +129,14 @@ class LLMEngine:
         if not (ecfg.num_blocks or ecfg.kv_mem_mb) and jax_platform() != "cpu":
             # The largest step's temporaries come out of the same device memory: compile it once
             # against a small probe cache and read its memory analysis before sizing the KV cache.
-            probe = ModelRunner(lm.cfg, ecfg, lm.weights, 2, attention=attention)
+            probe = ModelRunner(lm.cfg, ecfg, lm.weights, 2, attention=attention, mesh=lm.mesh,
+                                rules=lm.rules)
             probe.compile(("mixed", max(ecfg.token_buckets), True))
             reserved = probe.max_temp_bytes()
             del probe
         num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved)
-        self.runner = ModelRunner(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention)
+        self.runner = ModelRunner(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,
+                                  mesh=lm.mesh, rules=lm.rules)
         max_cached = None
         if ecfg.prefix_cache_max_tokens is not None:
             max_cached = ecfg.prefix_cache_max_tokens // ecfg.block_size

@@ -83,6 +83,12 @@ def block_argmax(x: jax.Array) -> jax.Array:
     return (blk * B + jnp.argmax(row, axis=-1)).astype(jnp.int32)
 
 
+def _barrier(pair):
+    # One barrier per array: a barrier over the (values, indices) tuple crashes XLA's SPMD
+    # partitioner (tensor-parallel meshes), while per-array barriers partition fine.
+    return tuple(lax.optimization_barrier(a) for a in pair)
+
+
 def block_top_k(x: jax.Array, k: int, B: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Exact top-k (values descending, int32 ids): the k largest lie in the k blocks with the
     largest maxima, so only those k*B elements go through lax.top_k."""
@@ -92,12 +98,12 @@ def block_top_k(x: jax.Array, k: int, B: int | None = None) -> tuple[jax.Array, 
     xb = _blocks(x, B)
     nb = xb.shape[1]
     nsel = min(k, nb)
-    _, bi = lax.optimization_barrier(lax.top_k(jnp.max(xb, axis=-1), nsel))
+    _, bi = _barrier(lax.top_k(jnp.max(xb, axis=-1), nsel))
     bi = jnp.sort(bi, axis=-1)  # token-id order, so lax.top_k's tie-break prefers lower ids
     cand = jnp.take_along_axis(xb, bi[:, :, None], axis=1).reshape(S, nsel * B)
     # the barrier keeps XLA from folding top_k's slices into their consumers, which turns
     # XLA:CPU's fast TopK back into a full sort of the candidates (10x slower)
-    vals, j = lax.optimization_barrier(lax.top_k(cand, k))
+    vals, j = _barrier(lax.top_k(cand, k))
     ids = jnp.take_along_axis(bi, j // B, axis=1) * B + j % B
     return vals, jnp.minimum(ids, V - 1).astype(jnp.int32)
 
