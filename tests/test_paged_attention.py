@@ -1,7 +1,8 @@
 """Shared test base for every paged-attention implementation against the dense oracle.
 
-On CPU this runs the jnp reference (and any implementation the Pallas interpreter can run, once they
-exist); on the GPU `bench/kernels_gpu.py` runs the same cases for all of them.
+On CPU this runs the jnp reference and the Pallas Triton-backend kernels in the Pallas interpreter
+(each pallas case compiles an interpreted program: ~1-3 s); on the GPU `bench/kernels_gpu.py` checks
+all implementations at real shapes in bf16.
 """
 
 import jax
@@ -9,10 +10,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels.paged_attention import pallas_triton as ptri
 from jaxserve.kernels.paged_attention import reference as ref
 
 IMPLS = {"reference": ref.paged_attention,
-         "reference_1blk": lambda *a, **k: ref.paged_attention(*a, blocks_per_iter=1, **k)}
+         "reference_1blk": lambda *a, **k: ref.paged_attention(*a, blocks_per_iter=1, **k),
+         # Pallas Triton-backend kernels; on CPU they run in the Pallas interpreter (small shapes only).
+         "pallas_triton_decode": lambda *a, **k: _jit(ptri.paged_attention, a, k, mode="decode",
+                                                      num_splits=3, block_k=16, split_min_tiles=1),
+         "pallas_triton_prefill": lambda *a, **k: _jit(ptri.paged_attention, a, k, mode="prefill",
+                                                       block_q=4, block_k=16)}
+
+
+def _jit(fn, args, kwargs, **fixed):
+    """One compiled program per call (eager dispatch of the wrapper's small ops costs more)."""
+    q, kc, vc, layer, *rest = args
+    f = jax.jit(lambda q, kc, vc, *rest: fn(q, kc, vc, layer, *rest, **kwargs, **fixed))
+    return f(q, kc, vc, *rest)
 
 
 def _case(rng, lens, new, *, H=6, KV=2, D=16, BS=4, num_blocks=64, L=2, layer=1):
@@ -97,3 +111,37 @@ def test_memory_is_bounded_by_chunking():
     temp = exe.memory_analysis().temp_size_in_bytes
     full_scores = 256 * 4 * 1024 * 4  # what a dense [T, H, context] f32 score matrix would take
     assert temp < full_scores, (temp, full_scores)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_odd_shapes_and_padding_tokens(impl):
+    """head_dim not a power of two, one query head per KV head, and runner-style padding tokens (they
+    point at the spare block-table row S with position 0): real rows must still be exact."""
+    rng = np.random.default_rng(4)
+    c = _case(rng, lens=[10, 3, 18], new=[4, 1, 1], H=2, KV=2, D=24, BS=4, num_blocks=24)
+    S = len(c["lens"])
+    pad = 3
+    q = jnp.concatenate([c["q"], jnp.asarray(rng.standard_normal((pad, 2, 24)), jnp.float32)])
+    seq = jnp.concatenate([c["token_seq"], jnp.full((pad,), S, jnp.int32)])
+    pos = jnp.concatenate([c["positions"], jnp.zeros((pad,), jnp.int32)])
+    got = IMPLS[impl](q, c["k_cache"], c["v_cache"], c["layer"], c["tables"], seq, pos, scale=0.2,
+                      window=6)
+    T = c["q"].shape[0]
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got[:T]), np.asarray(_oracle(c, 0.2, 6, None)), atol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_pallas_bf16_traced_layer_and_window(mode):
+    """bf16 cache and q, layer and window as traced values inside jit (the scanned-layers path)."""
+    rng = np.random.default_rng(5)
+    c = _case(rng, lens=[40, 9], new=[5, 1], H=8, KV=2, D=32, BS=8, num_blocks=16)
+    qb, kb, vb = (c[n].astype(jnp.bfloat16) for n in ("q", "k_cache", "v_cache"))
+    f = jax.jit(lambda q, kc, vc, layer, w: ptri.paged_attention(
+        q, kc, vc, layer, c["tables"], c["token_seq"], c["positions"], scale=0.17, window=w,
+        softcap=20.0, mode=mode, block_k=16))
+    got = f(qb, kb, vb, jnp.int32(1), jnp.int32(11))
+    c32 = dict(c, q=qb.astype(jnp.float32), k_cache=kb.astype(jnp.float32), v_cache=vb.astype(jnp.float32))
+    want = np.asarray(_oracle(c32, 0.17, 11, 20.0))
+    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+    assert got.dtype == jnp.bfloat16 and err < 1e-2, err

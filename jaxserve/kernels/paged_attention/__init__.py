@@ -1,0 +1,30 @@
+"""Paged attention: one contract (see reference.py), several implementations.
+
+  reference      plain jax.numpy; the CPU path and the oracle of every other implementation
+  pallas_triton  Pallas on the Triton backend (GPU); runs on CPU in the Pallas interpreter (slow,
+                 tests only)
+
+`get(name)` returns the implementation's `paged_attention` callable; kernels are imported lazily so
+that importing this package stays light (no Pallas/Triton import on the CPU path).
+"""
+
+from __future__ import annotations
+
+IMPLEMENTATIONS = ("reference", "pallas_triton")
+
+
+def get(name: str):
+    if name == "reference":
+        from jaxserve.kernels.paged_attention import reference
+
+        return reference.paged_attention
+    if name == "pallas_triton":
+        from jaxserve.kernels.paged_attention import pallas_triton
+
+        return pallas_triton.paged_attention
+    raise ValueError(f"unknown paged attention implementation {name!r}; known: {IMPLEMENTATIONS}")
+
+
+def default_for(platform: str) -> str:
+    """The implementation to use on a platform ('cpu', 'gpu'/'cuda', ...)."""
+    return "pallas_triton" if platform in ("gpu", "cuda") else "reference"

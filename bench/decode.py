@@ -1,0 +1,201 @@
+"""bs1 decode speed through the real ModelRunner (decode program, K steps per dispatch on the device).
+
+    python bench/decode.py --random-weights --config llama-3.1-8b --contexts 0,4096,32768 \
+        --attention reference,pallas_triton [--steps 8] [--dispatches 8] [--runs 5]
+
+For each attention implementation: build a ModelRunner on random bf16 weights (built on the device,
+nothing downloaded), fill the KV cache with random values, compile only the ("decode", 1) program,
+then for each context run `--runs` timed runs of `--dispatches` dispatches of `--steps` decode steps,
+each dispatch through runner.execute (prepare -> dispatch -> collect, as the engine runs it), plus a
+device-only figure (the same compiled program called back to back, no host round trip in between).
+Prints tok/s (median of runs) and the share of the bandwidth roofline: bytes read per token = weights
+(excluding the embedding table) + K/V at that context, over --bandwidth (4.3 TB/s, H200).
+
+An implementation may carry keyword options: `pallas_triton:num_splits=16:block_k=32`.
+Imports only jax, numpy and jaxserve (no pydantic/gguf), so it runs on the GPU image as is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.configs import CONFIGS, kv_bytes_per_token, model_config, weight_bytes_per_token  # noqa: E402
+
+
+def parse_impl(spec: str):
+    """'name[:k=v[:k=v]]' -> (label, callable)."""
+    from jaxserve.kernels import paged_attention as pa
+
+    name, *opts = spec.split(":")
+    kw = {}
+    for o in opts:
+        k, v = o.split("=")
+        kw[k] = int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v)
+    fn = pa.get(name)
+    return spec, (functools.partial(fn, **kw) if kw else fn)
+
+
+def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.runner import ModelRunner
+
+    num_blocks = -(-max_len // block_size) + 2
+    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=1, block_size=block_size,
+                        num_blocks=num_blocks, decode_steps=steps, dtype="bfloat16",
+                        max_logprobs=max_logprobs, seq_buckets=(1,), prefill_chunk_size=256,
+                        token_buckets=(256,), enable_prefix_cache=False)
+    runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention)
+    # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
+    shape, dt = runner.state["k"].shape, runner.state["k"].dtype
+    kk, kv = jax.random.split(jax.random.PRNGKey(seed + 1))
+    draw = jax.jit(lambda k: jax.random.normal(k, shape, dt))
+    runner.state = dict(runner.state, k=None, v=None)
+    runner.state["k"] = draw(kk)
+    runner.state["v"] = draw(kv)
+    return runner
+
+
+def make_seq(cfg, ctx, n_blocks, seed):
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.engine.sequence import Sequence
+
+    rng = np.random.default_rng(seed + ctx)
+    prompt = [int(x) for x in rng.integers(0, cfg.vocab_size, ctx + 1)]
+    seq = Sequence("bench", prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    seq.block_table = list(range(1, n_blocks + 1))
+    seq.row = 0
+    seq.num_computed_tokens = ctx
+    return seq
+
+
+def run_engine(runner, seq, ctx, steps, dispatches):
+    """One timed run: `dispatches` x execute(K decode steps), serial as the engine does at bs1."""
+    from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
+
+    seq.output_token_ids = []
+    start = ctx
+    t0 = time.perf_counter()
+    for _ in range(dispatches):
+        sched = SchedulerOutput([ScheduledSeq(seq, start, 1)], decode_steps=steps)
+        res = runner.execute(sched)
+        seq.output_token_ids += res.tokens[0]
+        start += steps
+    dt = time.perf_counter() - t0
+    assert len(seq.output_token_ids) == steps * dispatches
+    return steps * dispatches / dt
+
+
+def run_device(runner, seq, ctx, steps, dispatches):
+    """The same program called back to back with the same inputs (no host round trip)."""
+    from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
+
+    seq.output_token_ids = []
+    key, inp = runner.prepare(SchedulerOutput([ScheduledSeq(seq, ctx, 1)], decode_steps=steps))
+    exe = runner.compile(key)
+    inp = jax.device_put(inp)
+    jax.block_until_ready(inp)
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(dispatches):
+        runner.state, out = exe(runner.consts, runner.weights, runner.state, inp)
+    jax.block_until_ready(out)
+    return steps * dispatches / (time.perf_counter() - t0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="llama-3.1-8b", choices=sorted(CONFIGS))
+    ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
+    ap.add_argument("--attention", default="reference,pallas_triton")
+    ap.add_argument("--contexts", default="0,4096,32768")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per dispatch (K)")
+    ap.add_argument("--dispatches", type=int, default=8, help="dispatches per timed run")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-logprobs", type=int, default=20, help="engine default: 20")
+    ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the roofline")
+    ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from jaxserve.loader.materialize import random_weights
+
+    cfg = model_config(args.config)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    dev = jax.devices()[0]
+    print(f"# jax {jax.__version__} on {dev.device_kind} ({dev.platform}); config {args.config}; "
+          f"K={args.steps} x {args.dispatches} dispatches, median of {args.runs}", flush=True)
+    t = time.perf_counter()
+    weights = random_weights(cfg, jnp.bfloat16, jax.random.PRNGKey(args.seed))
+    jax.block_until_ready(weights)
+    print(f"# random weights built in {time.perf_counter() - t:.1f}s", flush=True)
+    wbytes = weight_bytes_per_token(cfg, 2)
+    max_len = max(contexts) + args.steps * args.dispatches + args.block_size
+    rows = []
+    first_tokens: dict[int, list[int]] = {}  # ctx -> greedy tokens of the first implementation
+    for spec in args.attention.split(","):
+        label, fn = parse_impl(spec)
+        runner = build_runner(cfg, weights, fn, max_len=max_len, steps=args.steps,
+                              block_size=args.block_size, max_logprobs=args.max_logprobs, seed=args.seed)
+        t = time.perf_counter()
+        try:
+            runner.compile(("decode", 1))
+        except Exception as e:  # report and go on with the next implementation
+            print(f"{label}: compile FAILED: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+            del runner
+            continue
+        print(f"# {label}: decode program compiled in {time.perf_counter() - t:.1f}s", flush=True)
+        n_blocks = -(-max_len // args.block_size)
+        for ctx in contexts:
+          try:
+            seq = make_seq(cfg, ctx, n_blocks, args.seed)
+            run_engine(runner, seq, ctx, args.steps, 2)  # warm-up
+            # Same weights, same random cache, greedy: tokens should match the first implementation
+            # (near-uniform random-weight logits can flip an argmax on bf16 rounding, so: a count).
+            toks = list(seq.output_token_ids)
+            ref_toks = first_tokens.setdefault(ctx, toks)
+            match = sum(a == b for a, b in zip(toks, ref_toks))
+            eng = [run_engine(runner, seq, ctx, args.steps, args.dispatches) for _ in range(args.runs)]
+            devs = [run_device(runner, seq, ctx, args.steps, args.dispatches) for _ in range(args.runs)]
+            mid_ctx = ctx + args.steps * args.dispatches // 2
+            nbytes = wbytes + kv_bytes_per_token(cfg, mid_ctx, 2)
+            roof = args.bandwidth / nbytes
+            row = dict(config=args.config, attention=label, context=ctx, steps=args.steps,
+                       tok_s=statistics.median(eng), tok_s_min=min(eng), tok_s_max=max(eng),
+                       device_tok_s=statistics.median(devs), roofline_tok_s=roof,
+                       roofline_share=statistics.median(eng) / roof, bytes_per_token=nbytes,
+                       jax=jax.__version__, device=dev.device_kind,
+                       tokens_match_first=f"{match}/{len(toks)}")
+            rows.append(row)
+            print(f"{label:28s} ctx {ctx:6d}: {row['tok_s']:7.1f} tok/s (min {min(eng):.1f} max "
+                  f"{max(eng):.1f}); device-only {row['device_tok_s']:7.1f}; roofline {roof:6.1f} "
+                  f"-> {row['roofline_share']:.2f}; greedy tokens = first impl's: {match}/{len(toks)}",
+                  flush=True)
+          except Exception as e:  # noqa: E722 -- report, go on
+            print(f"{label} ctx {ctx}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
+        del runner
+    print("\n| attention | context | tok/s (engine) | tok/s (device only) | roofline tok/s | share |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['attention']} | {r['context']} | {r['tok_s']:.1f} | {r['device_tok_s']:.1f} | "
+              f"{r['roofline_tok_s']:.1f} | {r['roofline_share']:.2f} |")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
