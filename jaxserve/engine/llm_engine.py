@@ -45,8 +45,11 @@ class LoadedModel:
 def load_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
                dtype: str = "float32",
                yarn_scaling_factor: float | None = None, revision: str | None = None,
-               tp: int = 1, devices=None) -> LoadedModel:
-    """Resolve a model source and stream its weights onto the device."""
+               tp: int = 1, devices=None, dp: int = 1) -> LoadedModel:
+    """Resolve a model source and stream its weights onto the device.
+
+    tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
+    (DataParallelEngine then hands each replica its row of the mesh)."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -89,11 +92,11 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     eos = tuple(dict.fromkeys(list(cfg.eos_token_ids) + sorted(tok.eos_token_ids)))
     cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     mesh = rules = shardings = None
-    if tp > 1 or devices is not None:
+    if tp > 1 or dp > 1 or devices is not None:
         from jaxserve.parallel import mesh as pmesh
 
         rules = pmesh.check_tp(cfg, tp)
-        mesh = pmesh.make_mesh(pmesh.ParallelConfig(tp=tp, dp=1), devices=devices)
+        mesh = pmesh.make_mesh(pmesh.ParallelConfig(tp=tp, dp=dp), devices=devices)
         shardings = pmesh.weight_shardings(cfg, mesh, rules)
     weights = materialize(cfg, tensors(cfg), jnp.dtype(dtype), shardings=shardings)
     name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -101,11 +104,18 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                        generation_defaults=gen_defaults, mesh=mesh, rules=rules)
 
 
+@dataclass
+class _Launched:
+    sched: Any
+    pending: Any  # runner._Pending, or None when nothing ran
+    outputs: list
+
+
 class LLMEngine:
     def __init__(self, model: str | LoadedModel | None = None, *, engine_config: EngineConfig | dict | None = None,
                  file: str | None = None, weights_file: str | None = None,
                  yarn_scaling_factor: float | None = None, attention=None,
-                 warmup: bool = True, tp: int = 1, devices=None):
+                 warmup: bool = True, tp: int = 1, devices=None, runner_cls=None):
         from jaxserve.engine.block_manager import BlockManager
         from jaxserve.engine.runner import ModelRunner, choose_num_blocks, setup_compilation_cache
         from jaxserve.engine.scheduler import Scheduler
@@ -133,10 +143,13 @@ class LLMEngine:
                                 rules=lm.rules)
             probe.compile(("mixed", max(ecfg.token_buckets), True))
             reserved = probe.max_temp_bytes()
+            lm.weights = probe.weights  # the runner may have re-laid them out (per-layer arrays)
             del probe
         num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved)
-        self.runner = ModelRunner(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,
-                                  mesh=lm.mesh, rules=lm.rules)
+        # runner_cls: multi-host rank 0 uses a runner that also publishes each step's inputs.
+        self.runner = (runner_cls or ModelRunner)(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,
+                                                  mesh=lm.mesh, rules=lm.rules)
+        lm.weights = self.runner.weights
         max_cached = None
         if ecfg.prefix_cache_max_tokens is not None:
             max_cached = ecfg.prefix_cache_max_tokens // ecfg.block_size
@@ -201,6 +214,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[SeqOutput]:
+        return self.step_finish(self.step_launch())
+
+    def step_launch(self) -> "_Launched":
+        """Schedule and dispatch a step without waiting for the device (DataParallelEngine launches
+        every replica's step before finishing any)."""
         sched = self.scheduler.schedule()
         outputs: list[SeqOutput] = []
         for seq in sched.preempted:
@@ -211,8 +229,15 @@ class LLMEngine:
                 outputs.append(SeqOutput(seq, [], "", True))
                 self._retire(seq)
         if sched.is_empty:
+            return _Launched(sched, None, outputs)
+        return _Launched(sched, self.runner.dispatch(sched), outputs)
+
+    def step_finish(self, launched: "_Launched") -> list[SeqOutput]:
+        """Wait for a launched step's results and turn them into outputs."""
+        sched, outputs = launched.sched, launched.outputs
+        if launched.pending is None:
             return outputs
-        result = self.runner.execute(sched)
+        result = self.runner.collect(launched.pending)
         now = time.monotonic()
         self.scheduler.update(sched, result, self._eos)
         self.num_steps += 1

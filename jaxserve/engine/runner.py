@@ -84,9 +84,15 @@ class ModelRunner:
         self.cfg, self.ecfg, self.weights = cfg, ecfg, weights
         self.mesh = mesh
         self.num_blocks = num_blocks
-        self.attention = attention or attn_ref.paged_attention
-        on_cpu = jax.devices()[0].platform == "cpu"
-        self.scan_layers = on_cpu if ecfg.scan_layers is None else ecfg.scan_layers
+        platform = jax.devices()[0].platform
+        if attention is None or isinstance(attention, str):
+            from jaxserve.kernels import paged_attention as pa
+
+            attention = pa.get(attention or pa.default_for(platform))
+        self.attention = attention
+        self.scan_layers = platform == "cpu" if ecfg.scan_layers is None else ecfg.scan_layers
+        if not self.scan_layers and isinstance(weights["layers"], dict):
+            self.weights = weights = tf.unstack_layers(weights)
         self.num_top = ecfg.max_logprobs
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
         self.MB = ecfg.max_blocks_per_seq

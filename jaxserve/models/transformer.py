@@ -83,6 +83,20 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
     return x + m, (k_cache, v_cache)
 
 
+def unstack_layers(weights) -> dict:
+    """Weights with `layers` as a list of per-layer dicts (for unrolled steps). Done one weight at a
+    time, freeing each stacked array as soon as it is split, so the peak is one extra weight."""
+    stacked = dict(weights["layers"])
+    L = next(iter(stacked.values())).shape[0]
+    per_layer = [dict() for _ in range(L)]
+    for name in list(stacked):
+        a = stacked.pop(name)
+        for i in range(L):
+            per_layer[i][name] = a[i]
+        a.delete() if hasattr(a, "delete") else None
+    return dict(weights, layers=per_layer)
+
+
 def embed(cfg: ModelConfig, weights, token_ids, dtype):
     x = weights["embed"][token_ids].astype(dtype)
     if cfg.embed_scale != 1.0:
@@ -96,9 +110,9 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
 
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
     """
-    dtype = weights["layers"]["q"].dtype
-    x = embed(cfg, weights, batch["token_ids"], dtype)
     layers = weights["layers"]
+    dtype = (layers[0] if isinstance(layers, list) else layers)["q"].dtype
+    x = embed(cfg, weights, batch["token_ids"], dtype)
     if scan_layers:
         def body(carry, xs):
             x, kv = carry
@@ -109,7 +123,9 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, consts))
     else:
         for i in range(cfg.num_layers):
-            w = jax.tree.map(lambda a: a[i], layers)
+            # Per-layer arrays (see unstack_layers): slicing a stacked weight inside the on-device
+            # decode loop makes XLA copy it every step.
+            w = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
             c = {k: (v[i] if k != "index" else i) for k, v in consts.items()}
             x, kv = decoder_layer(cfg, x, w, c, kv, batch, attention)
     return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps), kv
