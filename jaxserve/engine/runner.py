@@ -193,6 +193,7 @@ class ModelRunner:
     def _empty_inputs(self, key) -> dict:
         S = key[1] if key[0] == "decode" else self.ecfg.max_num_seqs
         st = build_sampling_tensors([], S, [])
+        st["want_logprobs"] = np.bool_(False)
         base = {
             "block_tables": np.zeros((S + 1, self.MB), np.int32),
             "rows": np.full(S, self.R, np.int32),
@@ -239,6 +240,7 @@ class ModelRunner:
         inp["st"] = build_sampling_tensors(params, S, seeds,
                                            output_lens=[len(s.seq.output_token_ids) for s in items],
                                            eos_token_ids=self.cfg.eos_token_ids)
+        inp["st"]["want_logprobs"] = np.bool_(any(p.logprobs for p in params))
         if key[0] == "decode":
             for i, s in enumerate(items):
                 inp["token_ids"][i] = s.seq.token_at(s.start)

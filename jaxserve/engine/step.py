@@ -33,7 +33,17 @@ def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_
     if logits_sharding is not None:  # tensor parallel: every device samples from the same logits
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     out = sampler_mod.sample(logits, st, positions, state["out_counts"][rows],
-                             state["prompt_mask"][rows], num_top)
+                             state["prompt_mask"][rows], 0)
+    if num_top:
+        # Top-k logprobs cost a pass over the vocabulary: only when some request asked for them.
+        def top():
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            vals, ids = sampler_mod.block_top_k(logits, num_top)
+            return ids, vals - lse[:, None]
+
+        S = logits.shape[0]
+        none = lambda: (jnp.zeros((S, num_top), jnp.int32), jnp.zeros((S, num_top), jnp.float32))
+        out["top_ids"], out["top_logprobs"] = jax.lax.cond(st["want_logprobs"], top, none)
     # Count what was sampled (padding and non-sampling rows go to the dummy row, then are dropped).
     R = state["out_counts"].shape[0] - 1
     tgt = jnp.where(samples, rows, R)
