@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from jaxserve.engine.output import SeqOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.engine.sequence import FinishReason, Sequence
 
 log = logging.getLogger("jaxserve.async_engine")
@@ -188,7 +188,10 @@ class AsyncEngine:
             raise EngineStopped("the server is shutting down" if self._thread else "the engine is not running")
         for _, ids, params in requests:
             self.engine.validate(ids, params)  # read-only: safe beside a running step
-        if self.num_queued + len(requests) > self.max_queue:
+        if 0 < self.max_queue < len(requests):  # could never be queued: not worth a retry
+            raise SamplingParamsError(f"{len(requests)} prompts in one request exceed the queue limit "
+                                      f"({self.max_queue}); send fewer at a time", "prompt")
+        if self.max_queue > 0 and self.num_queued + len(requests) > self.max_queue:  # 0: no limit
             raise QueueFull(f"too many requests waiting ({self.max_queue} allowed); retry later")
         arrival = time.monotonic()
         for rid, _, _ in requests:

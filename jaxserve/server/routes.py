@@ -1,0 +1,118 @@
+"""Route table and the small endpoints: models, health, metrics, tokenize, detokenize.
+
+Every route exists with and without the `/v1` prefix, as vLLM and llama.cpp serve them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from jaxserve.server.chat import chat_completions
+from jaxserve.server.completions import completions
+from jaxserve.server.errors import bad_request
+from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
+                                      parse_request)
+from jaxserve.server.sampling import chat_prompt_ids, check_ids
+
+STATE = web.AppKey("jaxserve_state", object)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: web.Request):
+    """The decoded body; 400 for anything that is not JSON (413 comes from aiohttp's size limit)."""
+    limit = request.app["max_body"]
+    if request.content_length is not None and request.content_length > limit:
+        # refuse before reading: no point in receiving megabytes we will throw away
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = await request.read()
+    if not raw.strip():
+        raise bad_request("the request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _json_endpoint(fn):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        state.require_ready()
+        body = await read_json(request)
+        return await fn(request, state, body)
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    return web.json_response(dump(ModelList(data=[_card(state, n) for n in state.served_names])))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    name = request.match_info["model"]
+    state.check_model(name)
+    return web.json_response(dump(_card(state, name if name in state.served_names else state.model_name)))
+
+
+def _card(state, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, root=state.engine.model.name,
+                     max_model_len=state.engine.ecfg.max_model_len)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.shutting_down:
+        return web.json_response({"status": "shutting_down"}, status=503)
+    if state.load_error:
+        return web.json_response({"status": "error", "error": state.load_error}, status=503)
+    if not state.ready:
+        return web.json_response({"status": "loading"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.Response(body=state.metrics.render(),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def tokenize(request: web.Request, state, body) -> web.Response:
+    req = parse_request(TokenizeRequest, body)
+    state.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+    if req.messages is not None:
+        ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    else:
+        ids = state.engine.tokenizer.encode(req.prompt)
+    return web.json_response({"count": len(ids), "max_model_len": state.engine.ecfg.max_model_len,
+                              "tokens": ids, "token_strs": [state.token_text(t) for t in ids]})
+
+
+async def detokenize(request: web.Request, state, body) -> web.Response:
+    req = parse_request(DetokenizeRequest, body)
+    state.check_model(req.model)
+    check_ids(state, req.tokens, "tokens")
+    return web.json_response({"prompt": state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+def add_routes(app: web.Application) -> None:
+    posts = {"/chat/completions": _json_endpoint(chat_completions),
+             "/completions": _json_endpoint(completions),
+             "/tokenize": _json_endpoint(tokenize),
+             "/detokenize": _json_endpoint(detokenize)}
+    gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics}
+    for prefix in ("/v1", ""):
+        for path, h in posts.items():
+            app.router.add_post(prefix + path, h)
+        for path, h in gets.items():
+            app.router.add_get(prefix + path, h)

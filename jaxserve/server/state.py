@@ -1,0 +1,107 @@
+"""What the request handlers share: the engine, the served names, sampling defaults, metrics."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from jaxserve.server.errors import APIError
+from jaxserve.server.metrics import Metrics
+
+log = logging.getLogger("jaxserve.server")
+
+_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty")
+# generation_config.json keys that carry sampling defaults (as vLLM reads them)
+_GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class ServerState:
+    def __init__(self, args):
+        self.args = args
+        self.engine = None  # LLMEngine, once loaded
+        self.aengine = None  # AsyncEngine, once started
+        self.template = None
+        self.template_error: str | None = None
+        self.ready = False
+        self.shutting_down = False
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.request_timeout = float(getattr(args, "request_timeout", None) or 0) or None
+        names = [n.strip() for n in (getattr(args, "served_model_name", None) or "").split(",") if n.strip()]
+        self.served_names = names
+        self.accepted_names: set[str] = set(names)
+        self.defaults: dict = {}
+        self.metrics = Metrics(lambda: self.aengine.stats if self.aengine is not None else None)
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ set-up (after load)
+    def attach(self, engine, aengine) -> None:
+        from jaxserve.loader.chat_template import ChatTemplate
+
+        self.engine, self.aengine = engine, aengine
+        model_arg = getattr(self.args, "model", None)
+        weights = getattr(self.args, "weights_path", None)
+        if not self.served_names:
+            self.served_names = [engine.model.name]
+        # the served name(s), the model path/id given on the command line and the resolved name
+        self.accepted_names |= {n for n in (model_arg, weights, engine.model.name) if n}
+        self.accepted_names |= set(self.served_names)
+        self.defaults = self._sampling_defaults(engine.model.generation_defaults or {})
+        tok = engine.tokenizer
+        try:
+            self.template = ChatTemplate(getattr(tok, "chat_template", None), getattr(tok, "bos_token", None),
+                                         getattr(tok, "eos_token", None))
+        except Exception as e:  # no template or one that does not compile: chat requests get a 400
+            self.template_error = str(e)
+            log.warning("chat endpoint disabled: %s", e)
+
+    def _sampling_defaults(self, gen: dict) -> dict:
+        d = {}
+        for k in _GEN_CONFIG_KEYS:
+            v = gen.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                d[k] = int(v) if k == "top_k" else float(v)
+        for k in _DEFAULT_KEYS:  # command-line flags win over generation_config
+            v = getattr(self.args, k, None)
+            if v is not None:
+                d[k] = v
+        return d
+
+    # ------------------------------------------------------------------ helpers for handlers
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0] if self.served_names else (getattr(self.args, "model", None) or "unknown")
+
+    def check_model(self, name: str | None) -> str:
+        """The name to report for a request's `model`; unknown names are a 404 (not an alias)."""
+        if name is None or name == "":
+            return self.model_name
+        if name in self.accepted_names:
+            return name if name in self.served_names else self.model_name
+        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served_names)}",
+                       "model", "model_not_found")
+
+    def require_ready(self) -> None:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down")
+        if not self.ready:
+            raise APIError(503, "the model is still loading; poll /health until it answers 200")
+
+    def token_text(self, tid: int) -> str:
+        """Text of one token as it reads alone (for logprobs); cached per id."""
+        s = self._token_text.get(tid)
+        if s is None:
+            tok = self.engine.tokenizer
+            try:
+                s = tok.decode([tid], skip_special_tokens=False)
+            except Exception:
+                s = ""
+            if not s:
+                try:
+                    s = tok.id_to_token(tid) or ""
+                except Exception:
+                    s = ""
+            self._token_text[tid] = s
+        return s
