@@ -172,6 +172,18 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise a 4xx-worthy error if this request can never run."""
         params.validate(self.ecfg.max_logprobs, self.cfg.vocab_size)
+        # Limits of the fixed-shape sampling tensors (a request beyond them must not fail a batch).
+        from jaxserve.engine.sampling_tensors import DEFAULT_MAX_BIAS, DEFAULT_MAX_EOS
+
+        if len(params.logit_bias) > DEFAULT_MAX_BIAS:
+            raise SamplingParamsError(
+                f"logit_bias has {len(params.logit_bias)} entries; at most {DEFAULT_MAX_BIAS}", "logit_bias")
+        n_suppress = len(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.cfg.eos_token_ids)))
+        if params.min_tokens and n_suppress > DEFAULT_MAX_EOS:
+            raise SamplingParamsError(
+                f"min_tokens with {n_suppress} stop/EOS token ids; at most {DEFAULT_MAX_EOS}", "stop_token_ids")
+        params.top_k = min(params.top_k, self.cfg.vocab_size)  # larger is the same as off, and fits int32
+        params.min_tokens = min(params.min_tokens, self.ecfg.max_model_len)
         if not prompt_ids:
             raise SamplingParamsError("the prompt is empty", "prompt")
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]

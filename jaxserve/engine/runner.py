@@ -66,7 +66,12 @@ def choose_num_blocks(cfg: ModelConfig, ecfg: EngineConfig, reserved_bytes: int 
     import psutil
 
     free = psutil.virtual_memory().available - reserved_bytes
-    return max(2, min(int(free * ecfg.kv_fraction // per_block), 2 * need))
+    share = int(free * ecfg.kv_fraction // per_block)
+    if share >= 2 * need:
+        return 2 * need
+    # The block count is part of every compiled shape: round it down to a power of two so small
+    # changes in free RAM between runs still hit the persistent compilation cache.
+    return max(2, 1 << (share.bit_length() - 1))
 
 
 @dataclass
