@@ -196,6 +196,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # None: ~/.cache/jaxserve/xla
     max_logprobs: int = 20
     seed: int = 0
+    attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -208,6 +209,8 @@ class EngineConfig:
             raise ConfigError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
         if self.prefill_chunk_size < 0:
             raise ConfigError(f"prefill_chunk_size must be >= 0, got {self.prefill_chunk_size}")
+        if self.attn_tile < 1 or self.attn_tile & (self.attn_tile - 1):
+            raise ConfigError(f"attn_tile must be a positive power of two, got {self.attn_tile}")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -215,7 +218,7 @@ class EngineConfig:
         if not self.seq_buckets:
             object.__setattr__(self, "seq_buckets", _pow2_buckets(1, self.max_num_seqs))
         if not self.token_buckets:
-            lo = min(16, self.max_step_tokens)
+            lo = min(max(16, self.attn_tile), self.max_step_tokens)
             object.__setattr__(self, "token_buckets", _pow2_buckets(lo, self.max_step_tokens))
         if max(self.seq_buckets) < self.max_num_seqs:
             raise ConfigError("seq_buckets must cover max_num_seqs")

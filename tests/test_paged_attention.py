@@ -145,3 +145,29 @@ def test_pallas_bf16_traced_layer_and_window(mode):
     want = np.asarray(_oracle(c32, 0.17, 11, 20.0))
     err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
     assert got.dtype == jnp.bfloat16 and err < 1e-2, err
+
+
+@pytest.mark.parametrize("window,softcap", [(0, None), (6, 30.0)])
+def test_tiled_prefill_region_matches_oracle(window, softcap):
+    """The runner's prompt-chunk region: chunks start on tiles of 8, padding tokens (pad row, position
+    0) fill each chunk's last tile and whole empty tiles at the end."""
+    rng = np.random.default_rng(4)
+    c = _case(rng, lens=[13, 21, 30], new=[13, 6, 11])
+    tile, S = 8, 3
+    seq, pos, where = [], [], []
+    t = 0
+    for i, (n, m) in enumerate(zip(c["lens"], c["new"])):
+        pad = -(-m // tile) * tile
+        seq += [i] * m + [S] * (pad - m)
+        pos += list(range(n - m, n)) + [0] * (pad - m)
+        where += list(range(t, t + m))
+        t += pad
+    seq += [S] * tile
+    pos += [0] * tile
+    q = jnp.zeros((len(seq),) + c["q"].shape[1:], jnp.float32).at[jnp.asarray(where)].set(c["q"])
+    got = ref.paged_attention_tiled(q, c["k_cache"], c["v_cache"], c["layer"], c["tables"],
+                                    jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32), scale=0.3,
+                                    window=window, softcap=softcap, tile=tile, blocks_per_iter=2)
+    want = _oracle(c, 0.3, window, softcap)
+    np.testing.assert_allclose(np.asarray(got)[np.asarray(where)], np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert np.isfinite(np.asarray(got)).all()

@@ -114,8 +114,9 @@ def check_invariants(sched: Scheduler, out=None):
 
 
 def make(cfg_kw=None, num_blocks=64, enable_prefix_cache=True, max_cached_blocks=None):
+    # attn_tile 1: budgets below count plain tokens (tile padding has its own test)
     cfg = EngineConfig(**{"max_model_len": 128, "max_num_seqs": 4, "block_size": 4,
-                          "prefill_chunk_size": 16, "decode_steps": 1, **(cfg_kw or {})})
+                          "prefill_chunk_size": 16, "decode_steps": 1, "attn_tile": 1, **(cfg_kw or {})})
     bm = BlockManager(num_blocks, cfg.block_size, enable_prefix_cache, max_cached_blocks)
     return cfg, bm, Scheduler(cfg, bm)
 
@@ -520,3 +521,26 @@ def test_randomized_stress(seed, num_blocks, arrivals):
         else:
             assert n == s.params.max_tokens or s.num_tokens == cfg.max_model_len or \
                 not bm.can_fit_alone(s.num_tokens)
+
+
+def test_chunks_are_charged_in_whole_query_tiles():
+    """The runner pads each multi-token chunk to whole attention tiles: the scheduler charges that
+    padded size, so the step's layout never outgrows the largest compiled bucket."""
+    cfg, bm, sched = make({"prefill_chunk_size": 32, "attn_tile": 8})
+    runner = FakeRunner(bm)
+    a = seq(range(100, 130), "a", max_tokens=3)   # 30 tokens
+    b = seq(range(200, 213), "b", max_tokens=3)   # 13 tokens
+    sched.add(a)
+    sched.add(b)
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        out, _ = step(sched, runner)
+        padded = sum(x.num_new if x.num_new == 1 else -(-x.num_new // 8) * 8 for x in out.scheduled)
+        assert padded <= 32
+        for x in out.scheduled:
+            # a chunk that does not finish its prompt is a whole number of tiles
+            if x.num_new > 1 and x.start + x.num_new < len(x.seq.prompt_token_ids):
+                assert x.num_new % 8 == 0
+    assert not sched.has_unfinished()
+    assert a.output_token_ids == expected_outputs(a, 3) and b.output_token_ids == expected_outputs(b, 3)

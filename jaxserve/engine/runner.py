@@ -81,6 +81,7 @@ class _Pending:
     kind: str
     num_seqs: int
     num_tokens: int
+    offsets: list  # each scheduled seq's first slot in the step's token layout
 
 
 class ModelRunner:
@@ -90,11 +91,16 @@ class ModelRunner:
         self.mesh = mesh
         self.num_blocks = num_blocks
         platform = jax.devices()[0].platform
-        if attention is None or isinstance(attention, str):
-            from jaxserve.kernels import paged_attention as pa
+        from jaxserve.kernels import paged_attention as pa
 
-            attention = pa.get(attention or pa.default_for(platform))
+        name = attention if isinstance(attention, str) else None
+        if attention is None or name:
+            name = name or pa.default_for(platform)
+            attention = pa.get(name)
         self.attention = attention
+        # Prompt chunks of mixed steps go through the tiled variant (reference when a custom
+        # callable was given).
+        self.attention_tiled = pa.get_tiled(name or "reference", ecfg.attn_tile)
         self.scan_layers = platform == "cpu" if ecfg.scan_layers is None else ecfg.scan_layers
         if not self.scan_layers and isinstance(weights["layers"], dict):
             self.weights = weights = tf.unstack_layers(weights)
@@ -146,6 +152,7 @@ class ModelRunner:
         if key[0] == "decode":
             f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps, **common)
         else:
+            common["attention"] = (self.attention, self.attention_tiled)
             f = partial(step_mod.mixed_step, self.cfg, prompt_lp=key[2], **common)
         return jax.jit(f, donate_argnums=(2,))
 
@@ -209,7 +216,7 @@ class ModelRunner:
             base.update(token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
                         num_steps=np.int32(1))
             return base
-        T = key[1]
+        T = S + key[1]  # single-token region + tile-aligned prompt-chunk region
         base.update(
             token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             token_seq=np.full(T, S, np.int32), is_prompt=np.zeros(T, bool),
@@ -223,14 +230,16 @@ class ModelRunner:
         return all(s.num_new == 1 and s.samples and not s.reset_row
                    and s.start >= s.seq.num_prompt_tokens for s in sched.scheduled)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[tuple, dict]:
+    def prepare(self, sched: SchedulerOutput) -> tuple[tuple, dict, list[int]]:
         items = sched.scheduled
         n = len(items)
         want_plp = any(s.seq.params.prompt_logprobs is not None for s in items)
+        Q = self.ecfg.attn_tile
         if sched.decode_steps > 1 or (self._is_decode(sched) and not want_plp):
             key = ("decode", self._bucket(self.ecfg.seq_buckets, n))
         else:
-            key = ("mixed", self._bucket(self.ecfg.token_buckets, sched.num_tokens), want_plp)
+            chunk_len = sum(-(-s.num_new // Q) * Q for s in items if s.num_new > 1)
+            key = ("mixed", self._bucket(self.ecfg.token_buckets, max(chunk_len, 1)), want_plp)
         inp = self._empty_inputs(key)
         S = inp["rows"].shape[0]
         params, seeds = [], []
@@ -251,10 +260,19 @@ class ModelRunner:
                 inp["token_ids"][i] = s.seq.token_at(s.start)
                 inp["positions"][i] = s.start
             inp["num_steps"] = np.int32(sched.decode_steps)
-            return key, inp
-        t = 0
+            return key, inp, list(range(len(items)))
+        # Layout: single-token items in slots [0, S) (one slot per item index), prompt chunks from
+        # S on, each starting on a query tile so a tile never mixes sequences.
+        nxt_chunk = S
+        offsets = []
         for i, s in enumerate(items):
             seq, P = s.seq, s.seq.num_prompt_tokens
+            if s.num_new == 1:
+                t = i
+            else:
+                t = nxt_chunk
+                nxt_chunk += -(-s.num_new // Q) * Q
+            offsets.append(t)
             if s.reset_row:
                 self.row_counted[seq.row] = 0
             toks = seq.all_token_ids[s.start:s.start + s.num_new]
@@ -275,13 +293,12 @@ class ModelRunner:
             if key[2]:
                 nxt = seq.all_token_ids[s.start + 1:s.start + s.num_new + 1]
                 inp["target_ids"][t:t + len(nxt)] = nxt
-            t += s.num_new
-        return key, inp
+        return key, inp, offsets
 
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:
         """Launch a step; outputs start copying to the host at once (read them with `collect`)."""
-        key, inp = self.prepare(sched)
+        key, inp, offsets = self.prepare(sched)
         exe = self.compile(key)
         if self.mesh is not None:
             inp = jax.device_put(inp, self._replicated)
@@ -291,14 +308,14 @@ class ModelRunner:
         for s in sched.scheduled:
             if s.samples:
                 self.row_counted[s.seq.row] += sched.decode_steps
-        return _Pending(sched, out, key[0], len(sched.scheduled), sched.num_tokens)
+        return _Pending(sched, out, key[0], len(sched.scheduled), sched.num_tokens, offsets)
 
     def collect(self, p: _Pending) -> StepResult:
         out = jax.tree.map(np.asarray, p.out)
         K = p.sched.decode_steps
         tokens, logprobs, prompt_lps = [], [], []
-        t = 0
         for i, s in enumerate(p.sched.scheduled):
+            t = p.offsets[i]
             params = s.seq.params
             tokens.append([int(x) for x in out["tokens"][:K, i]] if s.samples else [])
             if s.samples and params.logprobs is not None:
@@ -318,7 +335,6 @@ class ModelRunner:
                                    for j in range(m)])
             else:
                 prompt_lps.append(None)
-            t += s.num_new
         return StepResult(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_lps)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:

@@ -150,11 +150,23 @@ class Scheduler:
         budget = self.cfg.max_step_tokens
         scheduled: set[int] = set()
 
+        Q = self.cfg.attn_tile
+
+        def cost(n: int) -> int:
+            # The runner pads every multi-token chunk to whole query tiles: charge what it lays out.
+            return n if n == 1 else -(-n // Q) * Q
+
+        def chunk(n: int) -> int:
+            """Largest chunk of at most n tokens whose padded cost fits the budget (0: none)."""
+            if n <= 1 or cost(n) <= budget:
+                return n if cost(n) <= budget else 0
+            return min(n, budget // Q * Q)
+
         def put(seq: Sequence, n: int, reset_row: bool = False) -> None:
             nonlocal budget
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, reset_row))
             scheduled.add(seq.seq_id)
-            budget -= n
+            budget -= cost(n)
 
         # 1. decodes: one token each (budget >= max_num_seqs, so they always fit)
         for seq in list(self.running):
@@ -176,12 +188,14 @@ class Scheduler:
             if not self._make_room(seq, 1, scheduled, out, yield_self=False):
                 continue
             # a smaller chunk beats preempting someone: take what the free blocks allow
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.bm.capacity(seq))
+            n = chunk(min(seq.num_tokens - seq.num_computed_tokens, self.bm.capacity(seq)))
+            if n <= 0:
+                continue
             self.bm.append_slots(seq, n)
             put(seq, n)
 
         # 3. admit waiting sequences, first come first served
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget >= Q and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if not self.bm.allocate_prompt(seq, budget):
                 if not self.running:
@@ -193,7 +207,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             seq.row = heapq.heappop(self._free_rows)
             self.running.append(seq)
-            put(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), reset_row=True)
+            put(seq, chunk(seq.num_tokens - seq.num_computed_tokens), reset_row=True)
 
         out.decode_steps = self._pick_decode_steps(out)
         return out

@@ -68,6 +68,7 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
     batch = {k: inp[k] for k in ("token_ids", "positions", "token_seq", "block_tables")}
     batch["slots"] = _slots(batch, block_size)
+    batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                        scan_layers=scan_layers, attention=attention)
     state = dict(state, k=k, v=v)

@@ -69,9 +69,18 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
     q = apply_rope(q, batch["positions"], c["inv_freq"], c["attn_factor"])
     k = apply_rope(k, batch["positions"], c["inv_freq"], c["attn_factor"])
     k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
-    o = attention(q, k_cache, v_cache, c["index"], batch["block_tables"], batch["token_seq"],
-                  batch["positions"], scale=cfg.attn_scale, window=c["window"],
-                  softcap=cfg.attn_logit_softcap)
+    kw = dict(scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
+    args = (k_cache, v_cache, c["index"], batch["block_tables"])
+    D = batch.get("decode_slots")
+    if D is None:
+        o = attention(q, *args, batch["token_seq"], batch["positions"], **kw)
+    else:
+        # Runner layout: D single-token slots first (per-token keys), then prompt chunks aligned to
+        # query tiles (keys gathered once per tile).
+        attention, tiled = attention
+        o = jnp.concatenate([
+            attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
+            tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
     o = o.reshape(T, H * hd) @ w["o"]
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)

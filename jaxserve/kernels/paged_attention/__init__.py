@@ -25,6 +25,21 @@ def get(name: str):
     raise ValueError(f"unknown paged attention implementation {name!r}; known: {IMPLEMENTATIONS}")
 
 
+def get_tiled(name: str, tile: int):
+    """The prefill-region implementation: tokens in tiles of `tile` tokens of one sequence each."""
+    import functools
+
+    if name == "reference":
+        from jaxserve.kernels.paged_attention import reference
+
+        return functools.partial(reference.paged_attention_tiled, tile=tile)
+    if name == "pallas_triton":
+        from jaxserve.kernels.paged_attention import pallas_triton
+
+        return functools.partial(pallas_triton.paged_attention, mode="prefill")
+    raise ValueError(f"unknown paged attention implementation {name!r}; known: {IMPLEMENTATIONS}")
+
+
 def default_for(platform: str) -> str:
     """The implementation to use on a platform ('cpu', 'gpu'/'cuda', ...)."""
     return "pallas_triton" if platform in ("gpu", "cuda") else "reference"
