@@ -1,7 +1,7 @@
 """Chunked prefill mixed with decode: a long prompt must not stall a running stream.
 
 Heavy (a long prefill on CPU), so marked slow, but part of the default run. The prompt length is
-JAXSERVE_TEST_LONG_PROMPT tokens (default 2560; the issue's figure is 8000, see conftest.py).
+JAXSERVE_TEST_LONG_PROMPT tokens (default 8000, the issue's figure; see conftest.py).
 """
 
 from __future__ import annotations
