@@ -27,6 +27,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--yarn-scaling-factor", type=float, default=None)
 
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--d", dest="d", default=None, metavar="IDS",
+                     help="devices of this host to use, e.g. 0,1,2,3 (default: the first tp*dp)")
+    par.add_argument("--tp", type=int, default=None,
+                     help="tensor-parallel size: devices per replica (default: all of --d, else 1)")
+    par.add_argument("--dp", type=int, default=1, help="data-parallel replicas, each with its own KV cache")
+    par.add_argument("--num-nodes", type=int, default=1, help="hosts in a multi-host run (jax.distributed)")
+    par.add_argument("--node-rank", type=int, default=0, help="this host's rank; rank 0 schedules and serves")
+    par.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address (the coordinator)")
+    par.add_argument("--master-port", type=int, default=29500, help="the coordinator's port")
+
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=None)
@@ -76,12 +87,25 @@ def engine_config_from_args(args):
     return EngineConfig(**kw)
 
 
+def _is_parallel(args) -> bool:
+    return bool(getattr(args, "d", None) or (getattr(args, "tp", None) or 1) > 1
+                or (getattr(args, "dp", None) or 1) > 1 or (getattr(args, "num_nodes", None) or 1) > 1)
+
+
 def _make_llm(args):
     from jaxserve.engine.llm import LLM
 
     ecfg = engine_config_from_args(args)
+    par = {}
+    if _is_parallel(args):
+        from jaxserve.parallel.launch import parallel_kwargs
+
+        k = parallel_kwargs(args)
+        par = dict(tensor_parallel_size=k["tp"], data_parallel_size=k["dp"], devices=k["devices"],
+                   num_nodes=k["num_nodes"], node_rank=k["node_rank"], master_addr=k["master_addr"],
+                   master_port=k["master_port"])
     return LLM(args.model, file=args.file, weights_file=args.weights_path,
-               yarn_scaling_factor=args.yarn_scaling_factor,
+               yarn_scaling_factor=args.yarn_scaling_factor, **par,
                **{k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__
                   if k not in ("token_buckets", "seq_buckets")})
 
@@ -113,6 +137,8 @@ def _params_from_args(args, **extra):
 
 def cmd_generate(args) -> int:
     llm = _make_llm(args)
+    if llm.is_follower:  # multi-host rank > 0: ran rank 0's steps until it finished
+        return 0
     params = _params_from_args(args, max_tokens=args.max_tokens, seed=args.sample_seed)
     if args.chat:
         outs = llm.chat([{"role": "user", "content": args.prompt}], params)
@@ -142,6 +168,8 @@ def cmd_score(args) -> int:
             texts.append(text)
             rows.append(row)
     llm = _make_llm(args)  # after the input is known to be good: loading takes a while
+    if llm.is_follower:
+        return 0
     out_f = open(args.output, "w") if args.output != "-" else sys.stdout
     bs = max(1, args.batch_size)
     with tqdm(total=len(texts), desc="score", disable=not sys.stderr.isatty()) as bar:
@@ -158,9 +186,18 @@ def cmd_score(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from jaxserve.server.app import serve
+    from jaxserve.server import app
 
-    return serve(args)
+    if _is_parallel(args):
+        from jaxserve.parallel.launch import engine_from_args
+
+        if args.num_nodes > 1 and args.node_rank > 0:
+            # Followers serve no HTTP: they run rank 0's steps until it stops.
+            engine_from_args(args, engine_config_from_args(args))
+            return 0
+        # The server's own loader knows one device only; this one builds tp/dp/multi-host engines.
+        app._load_engine = engine_from_args
+    return app.serve(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     from jaxserve.config import ConfigError
     from jaxserve.loader.source import ModelNotFoundError
 
+    if (getattr(args, "num_nodes", None) or 1) > 1:
+        # Before anything touches a JAX backend (engine_config_from_args looks at the devices).
+        from jaxserve.parallel.launch import parse_device_ids
+        from jaxserve.parallel.multihost import init_distributed
+
+        try:
+            init_distributed(args.num_nodes, args.node_rank, args.master_addr, args.master_port,
+                             local_device_ids=parse_device_ids(args.d))
+        except (RuntimeError, ValueError) as e:
+            print(f"jaxserve: error: {e}", file=sys.stderr)
+            return 2
     try:
         return args.func(args) or 0
     except (ConfigError, ModelNotFoundError) as e:

@@ -61,18 +61,39 @@ _ENGINE_KEYS = {f for f in EngineConfig.__dataclass_fields__}
 class LLM:
     def __init__(self, model: str | None = None, *, file: str | None = None,
                  weights_file: str | None = None, yarn_scaling_factor: float | None = None,
-                 tensor_parallel_size: int = 1, devices=None, **engine_kwargs: Any):
+                 tensor_parallel_size: int | None = 1, devices=None, data_parallel_size: int = 1,
+                 num_nodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
+                 master_port: int = 29500, revision: str | None = None, **engine_kwargs: Any):
+        """devices: jax devices, or device ids of this host ("0,1" or [0, 1]); tensor_parallel_size=None
+        uses all of them. data_parallel_size: replicas of tensor_parallel_size devices each (DataParallelEngine).
+        num_nodes > 1: multi-host through jax.distributed; on node_rank > 0 the constructor runs rank 0's
+        steps until rank 0 exits, then returns an LLM with `is_follower` set and no engine."""
         unknown = set(engine_kwargs) - _ENGINE_KEYS
         if unknown:
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; known: {sorted(_ENGINE_KEYS)}")
-        self.engine = LLMEngine(model, engine_config=EngineConfig(**engine_kwargs), file=file,
-                                weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
-                                tp=tensor_parallel_size, devices=devices)
-        self.tokenizer = self.engine.tokenizer
+        by_id = isinstance(devices, str) or (bool(devices) and isinstance(list(devices)[0], int))
+        if (data_parallel_size == 1 and num_nodes == 1 and revision is None and not by_id
+                and tensor_parallel_size is not None):
+            self.engine = LLMEngine(model, engine_config=EngineConfig(**engine_kwargs), file=file,
+                                    weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
+                                    tp=tensor_parallel_size, devices=devices)
+        else:
+            from jaxserve.parallel.launch import build_engine
+
+            self.engine = build_engine(model, engine_config=EngineConfig(**engine_kwargs), file=file,
+                                       weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
+                                       revision=revision, tp=tensor_parallel_size, dp=data_parallel_size,
+                                       devices=devices, num_nodes=num_nodes, node_rank=node_rank,
+                                       master_addr=master_addr, master_port=master_port)
+        self.is_follower = self.engine is None
+        self.tokenizer = None if self.is_follower else self.engine.tokenizer
         self._ids = itertools.count()
 
     def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool):
         from tqdm import tqdm
+
+        if self.is_follower:
+            raise RuntimeError("this process was a multi-host follower (node_rank > 0): only rank 0 generates")
 
         eng = self.engine
         order, seqs_of = [], {}

@@ -1,0 +1,132 @@
+"""Two JAX processes on 127.0.0.1 (jax.distributed, gloo CPU collectives), tp=2 across them: rank 0 schedules
+and publishes each step, rank 1 runs it on its shard. Same greedy tokens as one process; killing rank 1 makes
+rank 0 exit with a one-line error instead of hanging in a collective."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_tiny import make_tiny_model
+from par_util import complete, free_port, wait_healthy
+from tiny_tokenizer import add_byte_tokenizer
+
+HERE = Path(__file__).parent
+WORKER = HERE / "mh_worker.py"
+
+
+def _env():
+    env = dict(os.environ, JAXSERVE_NO_PROGRESS="1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(HERE) + os.pathsep + str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    return env
+
+
+ENGINE_FLAGS = ["--max-model-len", "64", "--max-num-seqs", "2", "--prefill-chunk-size", "16", "--block-size", "4"]
+
+
+def _cli(model_dir, cmd, rank, port, *extra):
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.cli", cmd, "--model", str(model_dir), "--tp", "2", "--num-nodes", "2",
+         "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), *ENGINE_FLAGS, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return add_byte_tokenizer(make_tiny_model("llama", tmp_path_factory.mktemp("mh"), num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=8))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """One process, one device."""
+    ref = subprocess.run([sys.executable, str(WORKER), str(model_dir), "single", "0", "0"], capture_output=True,
+                         text=True, env=_env(), timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return json.loads(ref.stdout.strip().splitlines()[-1])
+
+
+def _worker(model_dir, mode, rank, port, **kw):
+    return subprocess.Popen([sys.executable, str(WORKER), str(model_dir), mode, str(rank), str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), **kw)
+
+
+def _kill(*procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_two_processes_match_one(model_dir, reference):
+    port = free_port()
+    # Rank 1 through the CLI (checks the --tp/--num-nodes/... flags); rank 0 through the offline LLM.
+    follower = _cli(model_dir, "generate", 1, port, "--prompt", "x")
+    leader = _worker(model_dir, "gen", 0, port)
+    try:
+        out, err = leader.communicate(timeout=300)
+        assert leader.returncode == 0, err[-3000:]
+        fout, ferr = follower.communicate(timeout=60)
+        assert follower.returncode == 0, ferr[-3000:]
+    finally:
+        _kill(leader, follower)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["devices"] == 2
+    assert got["tokens"] == reference["tokens"]
+    assert got["text"] == reference["text"]
+    np.testing.assert_allclose(got["logprobs"], reference["logprobs"], atol=1e-5)
+
+
+def test_http_served_through_rank0(model_dir, reference):
+    port, http = free_port(), free_port()
+    follower = _cli(model_dir, "run", 1, port)
+    server = _cli(model_dir, "run", 0, port, "--port", str(http))
+    try:
+        wait_healthy(http, server)
+        got = complete(http, str(model_dir), "Hello world, this is")
+        assert got["choices"][0]["text"] == reference["text"]
+        server.send_signal(signal.SIGTERM)  # rank 0 stops; it tells rank 1 to stop too
+        assert server.wait(timeout=60) == 0, server.stderr.read()[-3000:]
+        assert follower.wait(timeout=60) == 0, follower.stderr.read()[-3000:]
+    finally:
+        _kill(server, follower)
+
+
+def test_dead_rank_stops_rank0(model_dir):
+    port = free_port()
+    follower = _worker(model_dir, "hold", 1, port)
+    leader = _worker(model_dir, "hold", 0, port)
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "READY" not in line:  # rank 0 is generating in a loop from here on
+            assert time.monotonic() < deadline and leader.poll() is None, leader.stderr.read()[-3000:]
+            line = leader.stdout.readline()
+        time.sleep(1)
+        follower.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        leader.wait(timeout=40)
+        took = time.monotonic() - t0
+        err = leader.stderr.read()
+    finally:
+        _kill(leader, follower)
+    assert leader.returncode not in (0, None)
+    last = err.strip().splitlines()[-1]
+    assert "node rank 1 stopped responding" in last, err[-3000:]
+    assert took < 20, took
+
+
+def test_unreachable_coordinator(model_dir):
+    env = dict(_env(), JAXSERVE_INIT_TIMEOUT="3")
+    r = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "--model", str(model_dir), "--prompt", "x",
+                        "--tp", "2", "--num-nodes", "2", "--node-rank", "1", "--master-port", str(free_port())],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode != 0
+    assert "coordinator 127.0.0.1:" in r.stderr.strip().splitlines()[-1] and "unreachable" in r.stderr, r.stderr[-2000:]
