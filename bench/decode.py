@@ -102,7 +102,7 @@ def run_device(runner, seq, ctx, steps, dispatches):
     from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
 
     seq.output_token_ids = []
-    key, inp = runner.prepare(SchedulerOutput([ScheduledSeq(seq, ctx, 1)], decode_steps=steps))
+    key, inp, _ = runner.prepare(SchedulerOutput([ScheduledSeq(seq, ctx, 1)], decode_steps=steps))
     exe = runner.compile(key)
     inp = jax.device_put(inp)
     jax.block_until_ready(inp)

@@ -195,8 +195,6 @@ def cmd_run(args) -> int:
             # Followers serve no HTTP: they run rank 0's steps until it stops.
             engine_from_args(args, engine_config_from_args(args))
             return 0
-        # The server's own loader knows one device only; this one builds tp/dp/multi-host engines.
-        app._load_engine = engine_from_args
     return app.serve(args)
 
 

@@ -138,6 +138,6 @@ def parallel_kwargs(args) -> dict:
 
 def engine_from_args(args, ecfg: EngineConfig):
     """The server's engine for `jaxserve run` (None on a follower rank once rank 0 stopped)."""
-    return build_engine(args.weights_path or args.model, engine_config=ecfg, file=args.file,
+    return build_engine(args.model, engine_config=ecfg, file=args.file, weights_file=args.weights_path,
                         yarn_scaling_factor=args.yarn_scaling_factor, revision=getattr(args, "revision", None),
                         **parallel_kwargs(args))

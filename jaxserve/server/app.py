@@ -201,11 +201,10 @@ def build_app(state: ServerState) -> web.Application:
 # ----------------------------------------------------------------------------- loading
 
 def _load_engine(args, ecfg):
-    from jaxserve.engine.llm_engine import LLMEngine, load_model
+    # One device, or tp/dp/multi-host layouts: the same builder as the offline API.
+    from jaxserve.parallel.launch import engine_from_args
 
-    lm = load_model(args.weights_path or args.model, file=args.file, dtype=ecfg.dtype,
-                    yarn_scaling_factor=args.yarn_scaling_factor, revision=args.revision)
-    return LLMEngine(lm, engine_config=ecfg)
+    return engine_from_args(args, ecfg)
 
 
 def _in_thread(fn, *a) -> asyncio.Future:
