@@ -109,8 +109,9 @@ def materialize(cfg: ModelConfig, tensors: Iterable[CanonicalTensor], dtype,
         lead = [layer] if spec.stacked else []
         piece = _piece_sharding(sharding, arr.ndim, spec.stacked)
         if piece is not None:
-            # Sharded: send the whole tensor, each device receiving only its shard.
-            x = jax.device_put(host_array(arr, dtype), piece)
+            # Sharded: each addressable device's slice is read (and converted) on its own, so a
+            # process touches only the bytes of the slices it holds (memory-mapped files).
+            x = jax.make_array_from_callback(arr.shape, piece, lambda idx, a=arr: host_array(a[idx], dtype))
             out[name] = write(out[name], x, np.array(lead + [0] * arr.ndim, np.int32))
         else:
             n, starts = _row_chunks(arr.shape[0], arr[0].size * dtype.itemsize)

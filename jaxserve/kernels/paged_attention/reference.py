@@ -25,6 +25,17 @@ def write_kv(k_cache, v_cache, layer, k, v, slots):
     return k_cache, v_cache
 
 
+def _online_update(m, l, acc, s, ok, v, pv):
+    """One key chunk of an online softmax: scores s (masked by ok, broadcast) folded into the running
+    max m, normaliser l and output acc; pv(p, v) contracts the probabilities with the values."""
+    s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv(p, v)
+
+
 def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positions, *, scale,
                     window=0, softcap=None, blocks_per_iter=8):
     """q [T, H, hd] -> [T, H, hd] (q's dtype).
@@ -59,14 +70,8 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positio
         kpos = (cols[:, None] * BS + jnp.arange(BS)[None, :]).reshape(span)
         ok = kpos[None, :] <= positions[:, None]
         ok &= (window <= 0) | (kpos[None, :] > positions[:, None] - window)
-        s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("tkgn,tnkd->tkgd", p, v)
-        return m_new, l, acc
+        return _online_update(m, l, acc, s, ok[:, None, None, :], v,
+                              lambda p, v: jnp.einsum("tkgn,tnkd->tkgd", p, v))
 
     init = (jnp.full((T, KV, G), -jnp.inf, jnp.float32), jnp.zeros((T, KV, G), jnp.float32),
             jnp.zeros((T, KV, G, D), jnp.float32))
@@ -128,14 +133,8 @@ def paged_attention_tiled(q, k_cache, v_cache, layer, block_tables, token_seq, p
         kpos = (cols[:, None] * BS + jnp.arange(BS)[None, :]).reshape(span)
         ok = kpos[None, None, :] <= pos[:, :, None]
         ok &= (window <= 0) | (kpos[None, None, :] > pos[:, :, None] - window)
-        s = jnp.where(ok[:, :, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
-        l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("nqkgs,nskd->nqkgd", p, v)
-        return m_new, l, acc
+        return _online_update(m, l, acc, s, ok[:, :, None, None, :], v,
+                              lambda p, v: jnp.einsum("nqkgs,nskd->nqkgd", p, v))
 
     init = (jnp.full((NT, tile, KV, G), -jnp.inf, jnp.float32), jnp.zeros((NT, tile, KV, G), jnp.float32),
             jnp.zeros((NT, tile, KV, G, D), jnp.float32))
