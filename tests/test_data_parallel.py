@@ -108,3 +108,15 @@ def test_routing_prefers_idle_then_cached_prefix():
     assert eng.pick_replica(ids) == 0  # too busy for the cache to matter
     eng.replicas = [replica(0, {}), replica(0, {})]
     assert eng.pick_replica(ids) == 0
+
+
+def test_dp_gemma_matches_single_device(tmp_path):
+    """The Gemma family (sliding-window and global layers, local/global RoPE) under dp=2."""
+    d = add_byte_tokenizer(make_tiny_model("gemma3", tmp_path, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=8))
+    base = _run(d, 1, 1)
+    got = _run(d, 1, 2)
+    assert all(n > 0 for n in got["replica_steps"]), got["replica_steps"]
+    assert got["tokens"] == base["tokens"] and got["top"] == base["top"]
+    np.testing.assert_allclose(got["logprobs"], base["logprobs"], atol=1e-5)
+    np.testing.assert_allclose(got["score"], base["score"], atol=1e-5)
