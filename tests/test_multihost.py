@@ -130,3 +130,29 @@ def test_unreachable_coordinator(model_dir):
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode != 0
     assert "coordinator 127.0.0.1:" in r.stderr.strip().splitlines()[-1] and "unreachable" in r.stderr, r.stderr[-2000:]
+
+
+def test_dead_rank0_stops_follower(model_dir):
+    """When rank 0 (the coordinator) dies, the follower exits non-zero within seconds instead of
+    waiting for steps that will never come (today through jax.distributed's own fatal error)."""
+    port = free_port()
+    follower = _worker(model_dir, "hold", 1, port)
+    leader = _worker(model_dir, "hold", 0, port)
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "READY" not in line:
+            assert time.monotonic() < deadline and leader.poll() is None, leader.stderr.read()[-3000:]
+            line = leader.stdout.readline()
+        time.sleep(1)
+        leader.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        follower.wait(timeout=40)
+        took = time.monotonic() - t0
+        err = follower.stderr.read()
+    finally:
+        _kill(leader, follower)
+    assert follower.returncode not in (0, None)
+    assert ("node rank 0 stopped responding" in err or "distributed service detected fatal errors" in err
+            or "coordinator" in err.lower()), err[-3000:]
+    assert took < 20, took
