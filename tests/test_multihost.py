@@ -99,10 +99,12 @@ def test_http_served_through_rank0(model_dir, reference):
         _kill(server, follower)
 
 
-def test_dead_rank_stops_rank0(model_dir):
+def _kill_rank(model_dir, victim: int):
+    """Start both ranks generating in a loop, SIGKILL `victim`, return (survivor's rc, stderr, seconds)."""
     port = free_port()
     follower = _worker(model_dir, "hold", 1, port)
     leader = _worker(model_dir, "hold", 0, port)
+    survivor = follower if victim == 0 else leader
     try:
         deadline = time.monotonic() + 240
         line = ""
@@ -110,14 +112,19 @@ def test_dead_rank_stops_rank0(model_dir):
             assert time.monotonic() < deadline and leader.poll() is None, leader.stderr.read()[-3000:]
             line = leader.stdout.readline()
         time.sleep(1)
-        follower.send_signal(signal.SIGKILL)
+        (leader if victim == 0 else follower).send_signal(signal.SIGKILL)
         t0 = time.monotonic()
-        leader.wait(timeout=40)
+        survivor.wait(timeout=40)
         took = time.monotonic() - t0
-        err = leader.stderr.read()
+        err = survivor.stderr.read()
     finally:
         _kill(leader, follower)
-    assert leader.returncode not in (0, None)
+    return survivor.returncode, err, took
+
+
+def test_dead_rank_stops_rank0(model_dir):
+    rc, err, took = _kill_rank(model_dir, victim=1)
+    assert rc not in (0, None)
     last = err.strip().splitlines()[-1]
     assert "node rank 1 stopped responding" in last, err[-3000:]
     assert took < 20, took
@@ -135,24 +142,8 @@ def test_unreachable_coordinator(model_dir):
 def test_dead_rank0_stops_follower(model_dir):
     """When rank 0 (the coordinator) dies, the follower exits non-zero within seconds instead of
     waiting for steps that will never come (today through jax.distributed's own fatal error)."""
-    port = free_port()
-    follower = _worker(model_dir, "hold", 1, port)
-    leader = _worker(model_dir, "hold", 0, port)
-    try:
-        deadline = time.monotonic() + 240
-        line = ""
-        while "READY" not in line:
-            assert time.monotonic() < deadline and leader.poll() is None, leader.stderr.read()[-3000:]
-            line = leader.stdout.readline()
-        time.sleep(1)
-        leader.send_signal(signal.SIGKILL)
-        t0 = time.monotonic()
-        follower.wait(timeout=40)
-        took = time.monotonic() - t0
-        err = follower.stderr.read()
-    finally:
-        _kill(leader, follower)
-    assert follower.returncode not in (0, None)
+    rc, err, took = _kill_rank(model_dir, victim=0)
+    assert rc not in (0, None)
     assert ("node rank 0 stopped responding" in err or "distributed service detected fatal errors" in err
             or "coordinator" in err.lower()), err[-3000:]
     assert took < 20, took
