@@ -23,8 +23,6 @@ from jaxserve.loader.dequant import dequantize_tensor
 
 log = logging.getLogger(__name__)
 
-_SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$")
-
 GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 # Token texts llama.cpp also treats as end-of-generation when the file names no eot id for them.
@@ -33,17 +31,11 @@ EOG_TOKEN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of
 
 
 def shard_paths(path: str | os.PathLike) -> list[Path]:
-    """All shards of a split GGUF (`name-00001-of-00003.gguf`), given any of them; [path] if not split."""
-    path = Path(path)
-    m = _SHARD_RE.match(path.name)
-    if not m:
-        return [path]
-    n = int(m["n"])
-    paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
-    for p in paths:
-        if not p.is_file():
-            raise FileNotFoundError(f"GGUF shard {p} is missing (model split into {n} files)")
-    return paths
+    """All shards of a split GGUF (`name-00001-of-00003.gguf`), given any of them; [path] if not split.
+    One finder for the whole project: the model-source resolver's (a missing shard is named)."""
+    from jaxserve.loader.source import gguf_shards
+
+    return gguf_shards(path)
 
 
 def open_gguf(path: str | os.PathLike) -> list:

@@ -41,43 +41,12 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positio
     """q [T, H, hd] -> [T, H, hd] (q's dtype).
 
     block_tables [S, MB] int32; token_seq [T]; positions [T]; window: int or traced int32 scalar
-    (0 = full attention); softcap: static float or None.
+    (0 = full attention); softcap: static float or None. Each token gathers its own sequence's keys:
+    the tiled variant below with tiles of one token.
     """
-    T, H, D = q.shape
-    KV, BS = k_cache.shape[3], k_cache.shape[2]
-    G = H // KV
-    MB = block_tables.shape[1]
-    C = max(1, min(blocks_per_iter, MB))
-    span = C * BS
-    window = jnp.asarray(window, jnp.int32)
-
-    qg = (q.astype(jnp.float32) * scale).reshape(T, KV, G, D)
-    tables = block_tables[token_seq]  # [T, MB]
-    max_pos = jnp.max(positions)
-    min_pos = jnp.min(positions)
-    hi = max_pos // span + 1
-    lo = jnp.where(window > 0, jnp.maximum(min_pos - window + 1, 0) // span, 0)
-
-    def body(i, carry):
-        m, l, acc = carry
-        cols = i * C + jnp.arange(C)
-        bids = tables[:, jnp.minimum(cols, MB - 1)]  # [T, C]
-        k = k_cache[layer, bids].reshape(T, span, KV, D).astype(jnp.float32)
-        v = v_cache[layer, bids].reshape(T, span, KV, D).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tnkd->tkgn", qg, k)  # [T, KV, G, span]
-        if softcap:
-            s = jnp.tanh(s / softcap) * softcap
-        kpos = (cols[:, None] * BS + jnp.arange(BS)[None, :]).reshape(span)
-        ok = kpos[None, :] <= positions[:, None]
-        ok &= (window <= 0) | (kpos[None, :] > positions[:, None] - window)
-        return _online_update(m, l, acc, s, ok[:, None, None, :], v,
-                              lambda p, v: jnp.einsum("tkgn,tnkd->tkgd", p, v))
-
-    init = (jnp.full((T, KV, G), -jnp.inf, jnp.float32), jnp.zeros((T, KV, G), jnp.float32),
-            jnp.zeros((T, KV, G, D), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(T, H, D).astype(q.dtype)
+    return paged_attention_tiled(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
+                                 scale=scale, window=window, softcap=softcap, tile=1,
+                                 blocks_per_iter=blocks_per_iter)
 
 
 def dense_attention(q, k, v, *, scale, window=0, softcap=None, q_offset=0):
