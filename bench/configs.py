@@ -77,3 +77,14 @@ def kv_bytes_per_token(cfg: ModelConfig, context: int, itemsize: int) -> int:
     their window)."""
     per_key = 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     return sum(min(context, cfg.layer_window(i) or context) for i in range(cfg.num_layers)) * per_key
+
+
+def append_json_rows(path: str | None, rows: list[dict]) -> None:
+    """--json PATH of every benchmark: one JSON object per line, appended."""
+    if not path:
+        return
+    import json
+
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -31,7 +30,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.configs import CONFIGS, kv_bytes_per_token, model_config, weight_bytes_per_token  # noqa: E402
+from bench.configs import (CONFIGS, append_json_rows, kv_bytes_per_token, model_config,  # noqa: E402
+                           weight_bytes_per_token)
 
 
 def parse_impl(spec: str):
@@ -47,7 +47,8 @@ def parse_impl(spec: str):
     return spec, (functools.partial(fn, **kw) if kw else fn)
 
 
-def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed):
+def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
+                 fuse=None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -55,7 +56,8 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=1, block_size=block_size,
                         num_blocks=num_blocks, decode_steps=steps, dtype="bfloat16",
                         max_logprobs=max_logprobs, seq_buckets=(1,), prefill_chunk_size=256,
-                        token_buckets=(256,), enable_prefix_cache=False)
+                        token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
+                        scan_layers=False)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
     shape, dt = runner.state["k"].shape, runner.state["k"].dtype
@@ -97,6 +99,12 @@ def run_engine(runner, seq, ctx, steps, dispatches):
     return steps * dispatches / dt
 
 
+def _sched(seq, ctx, steps):
+    from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
+
+    return SchedulerOutput([ScheduledSeq(seq, ctx, 1)], decode_steps=steps)
+
+
 def run_device(runner, seq, ctx, steps, dispatches):
     """The same program called back to back with the same inputs (no host round trip)."""
     from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
@@ -126,6 +134,9 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-logprobs", type=int, default=20, help="engine default: 20")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the roofline")
+    ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print a device kernel table of this many device-only dispatches per context")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -145,10 +156,20 @@ def main(argv=None):
     max_len = max(contexts) + args.steps * args.dispatches + args.block_size
     rows = []
     first_tokens: dict[int, list[int]] = {}  # ctx -> greedy tokens of the first implementation
-    for spec in args.attention.split(","):
+    from jaxserve.models import transformer as tf
+
+    weights = tf.unstack_layers(weights)  # once, here: every variant below shares these arrays
+    fuses = [f == "on" for f in args.fuse.split(",")]
+    variants = [(spec, f) for f in sorted(set(fuses)) for spec in args.attention.split(",")]
+    fused = False
+    for spec, fuse in variants:
         label, fn = parse_impl(spec)
+        label += " fused" if fuse else ""
+        if fuse and not fused:  # unfused variants ran first: their arrays can go
+            weights, fused = tf.fuse_projections(weights, free=True), True
         runner = build_runner(cfg, weights, fn, max_len=max_len, steps=args.steps,
-                              block_size=args.block_size, max_logprobs=args.max_logprobs, seed=args.seed)
+                              block_size=args.block_size, max_logprobs=args.max_logprobs, seed=args.seed,
+                              fuse=fuse)
         t = time.perf_counter()
         try:
             runner.compile(("decode", 1))
@@ -179,6 +200,18 @@ def main(argv=None):
                        jax=jax.__version__, device=dev.device_kind,
                        tokens_match_first=f"{match}/{len(toks)}")
             rows.append(row)
+            if args.profile:
+                from bench.profiling import kernel_table, print_table
+
+                key, inp, _ = runner.prepare(_sched(seq, ctx, args.steps))
+                exe, inp = runner.compile(key), jax.device_put(inp)
+
+                def call():
+                    runner.state, out = exe(runner.consts, runner.weights, runner.state, inp)
+                    return out
+
+                print_table(kernel_table(call, args.profile), per=args.profile * args.steps,
+                            label=f"{label} ctx {ctx}, per token")
             print(f"{label:28s} ctx {ctx:6d}: {row['tok_s']:7.1f} tok/s (min {min(eng):.1f} max "
                   f"{max(eng):.1f}); device-only {row['device_tok_s']:7.1f}; roofline {roof:6.1f} "
                   f"-> {row['roofline_share']:.2f}; greedy tokens = first impl's: {match}/{len(toks)}",
@@ -191,10 +224,7 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['attention']} | {r['context']} | {r['tok_s']:.1f} | {r['device_tok_s']:.1f} | "
               f"{r['roofline_tok_s']:.1f} | {r['roofline_share']:.2f} |")
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_json_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,7 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # None: ~/.cache/jaxserve/xla
     max_logprobs: int = 20
     seed: int = 0
+    fuse_projections: bool | None = None  # q/k/v and gate/up as one matmul each; None: on with one device
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
 
     def __post_init__(self):

@@ -89,6 +89,14 @@ class LLM:
         self.tokenizer = None if self.is_follower else self.engine.tokenizer
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine) -> "LLM":
+        """Wrap an engine built elsewhere (e.g. LLMEngine(LoadedModel(...)) with weights made in code)."""
+        self = cls.__new__(cls)
+        self.engine, self.is_follower, self.tokenizer = engine, False, engine.tokenizer
+        self._ids = itertools.count()
+        return self
+
     def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool):
         from tqdm import tqdm
 

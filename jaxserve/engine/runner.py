@@ -74,6 +74,11 @@ def choose_num_blocks(cfg: ModelConfig, ecfg: EngineConfig, reserved_bytes: int 
     return max(2, 1 << (share.bit_length() - 1))
 
 
+def _is_fused(weights) -> bool:
+    layers = weights["layers"]
+    return "gate_up" in (layers[0] if isinstance(layers, list) else layers)
+
+
 @dataclass
 class _Pending:
     sched: SchedulerOutput
@@ -104,6 +109,16 @@ class ModelRunner:
         self.scan_layers = platform == "cpu" if ecfg.scan_layers is None else ecfg.scan_layers
         if not self.scan_layers and isinstance(weights["layers"], dict):
             self.weights = weights = tf.unstack_layers(weights)
+        elif self.scan_layers and isinstance(weights["layers"], list):
+            layers = weights["layers"]
+            self.weights = weights = dict(weights, layers=jax.tree.map(lambda *a: jnp.stack(a), *layers))
+        fuse = ecfg.fuse_projections
+        if fuse is None:
+            fuse = mesh is None
+        if fuse and mesh is not None:
+            raise ValueError("fuse_projections needs a single device (no mesh)")
+        if fuse and not _is_fused(weights):
+            self.weights = weights = tf.fuse_projections(weights)
         self.num_top = ecfg.max_logprobs
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
         self.MB = ecfg.max_blocks_per_seq

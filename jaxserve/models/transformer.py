@@ -59,9 +59,15 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
     T = x.shape[0]
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
-    if cfg.attention_bias:
-        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
+        qkv = h @ w["qkv"]
+        if cfg.attention_bias:
+            qkv = qkv + w["qkv_bias"]
+        q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
+    else:
+        q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
+        if cfg.attention_bias:
+            q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q, k, v = q.reshape(T, H, hd), k.reshape(T, KV, hd), v.reshape(T, KV, hd)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
@@ -86,7 +92,11 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x = x + o
     h = rms_norm(x, w["ffn_norm"], cfg.rms_norm_eps)
-    m = (_act(cfg, h @ w["gate"]) * (h @ w["up"])) @ w["down"]
+    if "gate_up" in w:
+        g, u = jnp.split(h @ w["gate_up"], 2, axis=-1)
+    else:
+        g, u = h @ w["gate"], h @ w["up"]
+    m = (_act(cfg, g) * u) @ w["down"]
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
     return x + m, (k_cache, v_cache)
@@ -106,6 +116,30 @@ def unstack_layers(weights) -> dict:
     return dict(weights, layers=per_layer)
 
 
+_FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
+
+
+def fuse_projections(weights, free: bool = True) -> dict:
+    """Concatenate q/k/v (and their biases) and gate/up along the output axis: fewer, larger matmuls
+    per layer (on a GPU each matmul of a decode step is a separately launched, partly idle kernel).
+    For one device only: a tensor-parallel split of the fused axis would mix q, k and v columns.
+    Works on stacked layers (dict) and per-layer lists; each source array is freed once fused
+    (unless free=False)."""
+    def fuse(layer: dict) -> dict:
+        layer = dict(layer)
+        for new, parts in _FUSED.items():
+            if all(p in layer for p in parts):
+                srcs = [layer.pop(p) for p in parts]
+                layer[new] = jnp.concatenate(srcs, axis=-1)
+                for a in srcs if free else ():
+                    a.delete() if hasattr(a, "delete") else None
+        return layer
+
+    layers = weights["layers"]
+    layers = [fuse(w) for w in layers] if isinstance(layers, list) else fuse(layers)
+    return dict(weights, layers=layers)
+
+
 def embed(cfg: ModelConfig, weights, token_ids, dtype):
     x = weights["embed"][token_ids].astype(dtype)
     if cfg.embed_scale != 1.0:
@@ -120,7 +154,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
     """
     layers = weights["layers"]
-    dtype = (layers[0] if isinstance(layers, list) else layers)["q"].dtype
+    dtype = (layers[0] if isinstance(layers, list) else layers)["down"].dtype
     x = embed(cfg, weights, batch["token_ids"], dtype)
     if scan_layers:
         def body(carry, xs):

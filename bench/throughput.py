@@ -1,0 +1,137 @@
+"""Offline throughput through `LLM.generate`: N prompts of given lengths, prefill and decode tok/s.
+
+    python bench/throughput.py --random-weights --config llama-3.1-8b \
+        --workloads 1x2048x1,32x1024x128 [--chunk 2048] [--decode-steps 8] [--runs 5]
+
+A workload NxIxO is N random-token prompts of I tokens, each generating exactly O tokens (greedy,
+EOS ignored), all submitted at once (continuous batching does the rest). Per run:
+  * prefill phase: from submission until every sequence has its first token; prefill tok/s = N*I / that
+    (for 1x2048x1 this is the time to first token of one 2,048-token prompt);
+  * decode phase: from then until the last token; decode tok/s = N*(O-1) / that (the "decode-only"
+    figure llama-batched-bench prints as S_TG).
+The first run of each workload compiles its programs (warm-up, not counted); figures are medians.
+Imports jax, numpy, jaxserve and `tokenizers` only (the engine's detokeniser needs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.configs import CONFIGS, append_json_rows  # noqa: E402
+
+
+def parse_workloads(spec: str) -> list[tuple[int, int, int]]:
+    out = []
+    for w in spec.split(","):
+        n, i, o = (int(x) for x in w.lower().split("x"))
+        out.append((n, i, o))
+    return out
+
+
+def timed_generate(llm, prompts, params):
+    """generate(), recording when each sequence got its first token."""
+    eng = llm.engine
+    first: dict[int, float] = {}
+    orig = eng.step
+
+    def step():
+        outs = orig()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids and o.seq.seq_id not in first:
+                first[o.seq.seq_id] = now
+        return outs
+
+    eng.step = step
+    try:
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params)
+        t1 = time.perf_counter()
+    finally:
+        eng.step = orig
+    return res, t0, max(first.values()), t1
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="llama-3.1-8b", choices=sorted(CONFIGS))
+    ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
+    ap.add_argument("--workloads", default="1x2048x1,32x1024x128")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk / step token budget")
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
+    args = ap.parse_args(argv)
+
+    from bench.random_model import random_loaded_model
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm import LLM
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.runner import kv_bytes_per_block
+    from jaxserve.engine.sampling_params import SamplingParams
+
+    wls = parse_workloads(args.workloads)
+    dev = jax.devices()[0]
+    print(f"# jax {jax.__version__} on {dev.device_kind}; {args.config} random {args.dtype}; chunk "
+          f"{args.chunk}; K={args.decode_steps}; median of {args.runs}", flush=True)
+    t = time.perf_counter()
+    lm = random_loaded_model(args.config, args.dtype)
+    print(f"# weights built in {time.perf_counter() - t:.1f}s", flush=True)
+    max_n = max(n for n, _, _ in wls)
+    max_len = max(i + o for _, i, o in wls) + 16
+    seq_buckets = tuple(sorted({1, *(n for n, _, _ in wls)}))
+    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_n, prefill_chunk_size=args.chunk,
+                        token_buckets=(args.chunk,), seq_buckets=seq_buckets, dtype=args.dtype,
+                        decode_steps=args.decode_steps, enable_prefix_cache=False, num_blocks=1)
+    need_blocks = max_n * -(-max_len // ecfg.block_size) + 2
+    ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
+    print(f"# KV cache: {need_blocks} blocks, {need_blocks * kv_bytes_per_block(lm.cfg, ecfg) / 2**30:.1f} GiB",
+          flush=True)
+    # Programs compile on first use (the warm-up run), not the whole default bucket set.
+    eng = LLMEngine(lm, engine_config=ecfg, attention=args.attention, warmup=False)
+    llm = LLM.from_engine(eng)
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, i, o in wls:
+        params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
+        runs = []
+        for r in range(args.runs + 1):
+            prompts = [[int(x) for x in rng.integers(256, lm.cfg.vocab_size, i)] for _ in range(n)]
+            t = time.perf_counter()
+            res, t0, tp, t1 = timed_generate(llm, prompts, params)
+            assert all(len(x.outputs[0].token_ids) == o for x in res)
+            if r == 0:
+                print(f"# {n}x{i}x{o}: warm-up run (compiles) {time.perf_counter() - t:.1f}s", flush=True)
+                continue
+            runs.append((tp - t0, t1 - tp))
+            print(f"  run {r}: prefill {tp - t0:.3f}s, decode {t1 - tp:.3f}s", flush=True)
+        pre = statistics.median(x[0] for x in runs)
+        dec = statistics.median(x[1] for x in runs)
+        row = dict(config=args.config, workload=f"{n}x{i}x{o}", chunk=args.chunk, decode_steps=args.decode_steps,
+                   prefill_s=pre, prefill_tok_s=n * i / pre,
+                   decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
+                   jax=jax.__version__, device=dev.device_kind)
+        rows.append(row)
+        print(f"{n}x{i}x{o}: prefill {row['prefill_tok_s']:.0f} tok/s ({pre * 1e3:.1f} ms)"
+              + (f"; decode {row['decode_tok_s']:.0f} tok/s aggregate ({dec / (o - 1) * 1e3:.1f} ms/step)"
+                 if o > 1 else ""), flush=True)
+    print("\n| workload | prefill tok/s | prefill ms | decode tok/s (aggregate) |\n|---|---|---|---|")
+    for r in rows:
+        dtok = f"{r['decode_tok_s']:.0f}" if r["decode_tok_s"] else "-"
+        print(f"| {r['workload']} | {r['prefill_tok_s']:.0f} | {r['prefill_s'] * 1e3:.1f} | {dtok} |")
+    append_json_rows(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
