@@ -30,8 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.configs import (CONFIGS, append_json_rows, kv_bytes_per_token, model_config,  # noqa: E402
-                           weight_bytes_per_token)
+from bench.configs import CONFIGS, append_json_rows, kv_bytes_per_token, model_config  # noqa: E402
 
 
 def parse_impl(spec: str):
@@ -45,6 +44,16 @@ def parse_impl(spec: str):
         kw[k] = int(v) if v.lstrip("-").isdigit() else (None if v == "None" else v)
     fn = pa.get(name)
     return spec, (functools.partial(fn, **kw) if kw else fn)
+
+
+def tree_weight_bytes(cfg, weights) -> int:
+    """Bytes of weights one decode step reads: all but the embedding table (unless it is the head)."""
+    total = 0
+    for name, w in weights.items():
+        if name == "_quant" or (name == "embed" and not cfg.tie_word_embeddings):
+            continue
+        total += sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
+    return total
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
@@ -134,6 +143,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-logprobs", type=int, default=20, help="engine default: 20")
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the roofline")
+    ap.add_argument("--quant", default="none",
+                    help="comma list: none (bf16) or packed formats (q4k, q8_0, q4_0, ...) of random weights")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
     ap.add_argument("--profile", type=int, default=0,
                     help="print a device kernel table of this many device-only dispatches per context")
@@ -148,26 +159,45 @@ def main(argv=None):
     dev = jax.devices()[0]
     print(f"# jax {jax.__version__} on {dev.device_kind} ({dev.platform}); config {args.config}; "
           f"K={args.steps} x {args.dispatches} dispatches, median of {args.runs}", flush=True)
-    t = time.perf_counter()
-    weights = random_weights(cfg, jnp.bfloat16, jax.random.PRNGKey(args.seed))
-    jax.block_until_ready(weights)
-    print(f"# random weights built in {time.perf_counter() - t:.1f}s", flush=True)
-    wbytes = weight_bytes_per_token(cfg, 2)
+    quants = args.quant.split(",")
+    weights = None
+    if "none" in quants:
+        t = time.perf_counter()
+        weights = random_weights(cfg, jnp.bfloat16, jax.random.PRNGKey(args.seed))
+        jax.block_until_ready(weights)
+        print(f"# random weights built in {time.perf_counter() - t:.1f}s", flush=True)
     max_len = max(contexts) + args.steps * args.dispatches + args.block_size
     rows = []
     first_tokens: dict[int, list[int]] = {}  # ctx -> greedy tokens of the first implementation
     from jaxserve.models import transformer as tf
 
-    weights = tf.unstack_layers(weights)  # once, here: every variant below shares these arrays
+    if weights is not None:
+        weights = tf.unstack_layers(weights)  # once, here: every variant below shares these arrays
     fuses = [f == "on" for f in args.fuse.split(",")]
-    variants = [(spec, f) for f in sorted(set(fuses)) for spec in args.attention.split(",")]
+    variants = [("none", spec, f) for f in sorted(set(fuses)) for spec in args.attention.split(",")
+                if "none" in quants]
+    variants += [(q, spec, True) for q in quants if q != "none" for spec in args.attention.split(",")]
     fused = False
-    for spec, fuse in variants:
+    for quant, spec, fuse in variants:
         label, fn = parse_impl(spec)
         label += " fused" if fuse else ""
-        if fuse and not fused:  # unfused variants ran first: their arrays can go
+        if quant != "none":
+            from bench.random_model import random_packed_layers
+
+            label += f" {quant}"
+            if weights is None or weights.get("_quant") != quant:
+                weights = None  # free the previous variant's arrays first
+                t = time.perf_counter()
+                # Like Q4_K_M, a q4k model keeps its LM head in q6k.
+                weights = random_packed_layers(cfg, quant, "bfloat16", args.seed,
+                                               head_fmt="q6k" if quant == "q4k" else None)
+                weights = dict(tf.fuse_projections(weights), _quant=quant)
+                print(f"# random {quant} weights built in {time.perf_counter() - t:.1f}s", flush=True)
+            fused = True
+        elif fuse and not fused:  # unfused variants ran first: their arrays can go
             weights, fused = tf.fuse_projections(weights, free=True), True
-        runner = build_runner(cfg, weights, fn, max_len=max_len, steps=args.steps,
+        wbytes = tree_weight_bytes(cfg, weights)
+        runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len, steps=args.steps,
                               block_size=args.block_size, max_logprobs=args.max_logprobs, seed=args.seed,
                               fuse=fuse)
         t = time.perf_counter()
@@ -193,7 +223,7 @@ def main(argv=None):
             mid_ctx = ctx + args.steps * args.dispatches // 2
             nbytes = wbytes + kv_bytes_per_token(cfg, mid_ctx, 2)
             roof = args.bandwidth / nbytes
-            row = dict(config=args.config, attention=label, context=ctx, steps=args.steps,
+            row = dict(config=args.config, attention=label, quant=quant, context=ctx, steps=args.steps,
                        tok_s=statistics.median(eng), tok_s_min=min(eng), tok_s_max=max(eng),
                        device_tok_s=statistics.median(devs), roofline_tok_s=roof,
                        roofline_share=statistics.median(eng) / roof, bytes_per_token=nbytes,

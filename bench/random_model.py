@@ -1,47 +1,74 @@
-"""A real-shaped model with random weights, built on the device, as a LoadedModel the engine takes.
-
-The tokenizer is synthetic (token i < 256 is a byte, token i >= 256 decodes to " t<i>"), so the
-engine's detokeniser and stop logic run as they do for a real model; prompts are random token ids.
-"""
+"""A real-shaped model with random weights, built on the device, as a LoadedModel the engine takes
+(the same thing `--model random:NAME` loads; see jaxserve.engine.llm_engine.random_model)."""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-
 import jax
-import jax.numpy as jnp
-
-from bench.configs import model_config
-
-
-def synthetic_tokenizer(vocab_size: int, eos_id: int):
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
-    from jaxserve.loader.tokenizer import Tokenizer
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    vocab.update({f"Ġt{i}": i for i in range(len(alphabet), vocab_size)})  # Ġ = a space, byte-level
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    with tempfile.TemporaryDirectory() as d:
-        tok.save(os.path.join(d, "tokenizer.json"))
-        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-            json.dump({"add_bos_token": False, "add_eos_token": False}, f)
-        t = Tokenizer.from_dir(d)
-    t.eos_token_ids = {eos_id}
-    return t
 
 
 def random_loaded_model(config: str, dtype: str = "bfloat16", seed: int = 0):
-    from jaxserve.engine.llm_engine import LoadedModel
-    from jaxserve.loader.materialize import random_weights
+    from jaxserve.engine.llm_engine import random_model
 
-    cfg = model_config(config)
-    weights = random_weights(cfg, jnp.dtype(dtype), jax.random.PRNGKey(seed))
-    jax.block_until_ready(weights)
-    tok = synthetic_tokenizer(cfg.vocab_size, cfg.eos_token_ids[0])
-    return LoadedModel(cfg=cfg, tokenizer=tok, weights=weights, name=f"random:{config}")
+    lm = random_model(config, dtype=dtype, seed=seed)
+    jax.block_until_ready(lm.weights)
+    return lm
+
+
+def random_qweight(K: int, N: int, fmt: str, key):
+    """A packed [K, N] weight with random codes and small random scales, built on the device (only
+    the layout matters for speed). Leaf row counts and dtypes come from quantizing a [K, 8] sample."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.quant.isq import quantize
+    from jaxserve.quant.qweight import QWeight
+
+    tmpl = quantize(np.random.default_rng(0).standard_normal((K, 8)).astype(np.float32) * 0.02, fmt)
+    arrays = {}
+    for i, (name, a) in enumerate(sorted(tmpl.arrays.items())):
+        k = jax.random.fold_in(key, i)
+        shape = (a.shape[0], N)
+        if np.issubdtype(a.dtype, np.integer):
+            hi = 64 if name in ("sc", "mn") else 256  # 6-bit sub-scales stay in range
+            arrays[name] = jax.random.randint(k, shape, 0, hi, jnp.int32).astype(a.dtype)
+        else:
+            arrays[name] = (jax.random.uniform(k, shape, jnp.float32, 1e-3, 4e-3)).astype(a.dtype)
+    return QWeight(dataclasses.replace(tmpl.meta, N=N), arrays)
+
+
+def random_packed_layers(cfg, fmt: str, dtype="bfloat16", seed: int = 0, head_fmt: str | None = None):
+    """Random weights with every matmul packed in `fmt` (the LM head in `head_fmt`, default fmt) as the
+    runner's per-layer list; norms and the embedding table dense."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxserve.loader.materialize import random_weights
+    from jaxserve.models.weights import weight_specs
+
+    key = jax.random.PRNGKey(seed)
+    specs = weight_specs(cfg)
+    one = dataclasses.replace(cfg, num_layers=1, layer_types=cfg.layer_types[:1] if cfg.layer_types else None)
+    dense = random_weights(one, jnp.dtype(dtype), key)  # norms, embedding, (dense) head shapes
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = {}
+        for name, spec in specs.items():
+            if not name.startswith("layers."):
+                continue
+            short = name.split(".", 1)[1]
+            if len(spec.shape) == 3:
+                layer[short] = random_qweight(spec.shape[1], spec.shape[2], fmt,
+                                              jax.random.fold_in(key, 1000 * i + len(layer)))
+            else:
+                layer[short] = dense["layers"][short][0]
+        layers.append(layer)
+        jax.block_until_ready(jax.tree.leaves(layer))
+    w = {k: v for k, v in dense.items() if k != "layers"}
+    if "lm_head" in specs:
+        D, V = specs["lm_head"].shape
+        w["lm_head"] = random_qweight(D, V, head_fmt or fmt, jax.random.fold_in(key, 999_999))
+    w["layers"] = layers
+    return w

@@ -26,6 +26,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--yarn-scaling-factor", type=float, default=None)
+    g.add_argument("--isq", default=None, metavar="FMT",
+                   help="quantize dense matmul weights at load: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k")
+    g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
+                   help="keep quantized weights packed on the device (auto: on a GPU with one device)")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--d", dest="d", default=None, metavar="IDS",
@@ -84,6 +88,10 @@ def engine_config_from_args(args):
         kw["enable_prefix_cache"] = False
     if args.scan_layers != "auto":
         kw["scan_layers"] = args.scan_layers == "on"
+    if getattr(args, "isq", None):
+        kw["isq"] = args.isq
+    if getattr(args, "packed", "auto") != "auto":
+        kw["packed_weights"] = args.packed == "on"
     return EngineConfig(**kw)
 
 

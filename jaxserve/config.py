@@ -165,6 +165,10 @@ class ModelConfig:
         return n if self.tie_word_embeddings else n + self.vocab_size * d
 
 
+# In-situ quantization formats (jaxserve.quant.qweight.FORMATS; GGUF block layouts).
+ISQ_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k")
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -196,6 +200,8 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # None: ~/.cache/jaxserve/xla
     max_logprobs: int = 20
     seed: int = 0
+    packed_weights: bool | None = None  # keep quantized weights packed on the device; None: on a GPU
+    isq: str | None = None  # quantize dense matmul weights at load (ISQ_FORMATS)
     fuse_projections: bool | None = None  # q/k/v and gate/up as one matmul each; None: on with one device
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
 
@@ -212,6 +218,8 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk_size must be >= 0, got {self.prefill_chunk_size}")
         if self.attn_tile < 1 or self.attn_tile & (self.attn_tile - 1):
             raise ConfigError(f"attn_tile must be a positive power of two, got {self.attn_tile}")
+        if self.isq is not None and self.isq not in ISQ_FORMATS:
+            raise ConfigError(f"isq must be one of {', '.join(ISQ_FORMATS)}, got {self.isq!r}")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -45,11 +45,14 @@ class LoadedModel:
 def load_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
                dtype: str = "float32",
                yarn_scaling_factor: float | None = None, revision: str | None = None,
-               tp: int = 1, devices=None, dp: int = 1) -> LoadedModel:
+               tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
+               isq: str | None = None) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device.
 
     tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
-    (DataParallelEngine then hands each replica its row of the mesh)."""
+    (DataParallelEngine then hands each replica its row of the mesh).
+    packed: quantized matmul weights stay packed on the device (None: on a GPU with one device);
+    isq: quantize dense matmul weights into that format at load (packed, or dequantized when not)."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -58,6 +61,15 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     from jaxserve.loader.materialize import materialize
     from jaxserve.loader.tokenizer import Tokenizer
 
+    if packed is None:
+        import jax
+
+        packed = jax.devices()[0].platform != "cpu" and tp == 1 and dp == 1 and devices is None
+    elif packed and (tp > 1 or dp > 1):
+        raise ValueError("packed quantized weights run on one device: use packed_weights=False (--packed off) "
+                         "with tensor or data parallelism")
+    if model and model.startswith(RANDOM_PREFIX):
+        return random_model(model[len(RANDOM_PREFIX):], dtype=dtype, tp=tp, devices=devices, dp=dp)
     res = source.resolve_model(model, file=file, weights_file=weights_file, revision=revision)
     gen_defaults = None
     if res.kind == "gguf":
@@ -67,7 +79,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
         cfg = gguf_loader.gguf_model_config(readers)
         tok = (Tokenizer.from_dir(res.tokenizer_dir) if res.tokenizer_dir
                else Tokenizer.from_gguf(readers))
-        tensors = lambda c: gguf_loader.iter_gguf_tensors(readers, c)
+        tensors = lambda c: gguf_loader.iter_gguf_tensors(readers, c, packed=packed)
     else:
         import json
 
@@ -91,17 +103,51 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     # The tokenizer knows end-of-turn tokens the model config may not list.
     eos = tuple(dict.fromkeys(list(cfg.eos_token_ids) + sorted(tok.eos_token_ids)))
     cfg = dataclasses.replace(cfg, eos_token_ids=eos)
-    mesh = rules = shardings = None
+    mesh, rules, shardings = _placement(cfg, tp, devices, dp)
+    stream = tensors(cfg)
+    if isq:
+        from jaxserve.quant.stream import quantize_stream
+
+        stream = quantize_stream(stream, isq, packed=packed)
+    weights = materialize(cfg, stream, jnp.dtype(dtype), shardings=shardings,
+                          packed=packed and (res.kind == "gguf" or bool(isq)))
+    name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    return LoadedModel(cfg=cfg, tokenizer=tok, weights=weights, name=name,
+                       generation_defaults=gen_defaults, mesh=mesh, rules=rules)
+
+
+RANDOM_PREFIX = "random:"
+
+
+def _placement(cfg, tp: int, devices, dp: int):
+    """(mesh, rules, weight shardings) for tp/dp/devices; all None on one default device."""
     if tp > 1 or dp > 1 or devices is not None:
         from jaxserve.parallel import mesh as pmesh
 
         rules = pmesh.check_tp(cfg, tp)
         mesh = pmesh.make_mesh(pmesh.ParallelConfig(tp=tp, dp=dp), devices=devices)
-        shardings = pmesh.weight_shardings(cfg, mesh, rules)
-    weights = materialize(cfg, tensors(cfg), jnp.dtype(dtype), shardings=shardings)
-    name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    return LoadedModel(cfg=cfg, tokenizer=tok, weights=weights, name=name,
-                       generation_defaults=gen_defaults, mesh=mesh, rules=rules)
+        return mesh, rules, pmesh.weight_shardings(cfg, mesh, rules)
+    return None, None, None
+
+
+def random_model(preset: str, *, dtype: str = "float32", tp: int = 1, devices=None, dp: int = 1,
+                 seed: int = 0) -> LoadedModel:
+    """`--model random:<preset>`: a real-shaped model (jaxserve/models/presets.py) with random weights
+    built on the device and a synthetic tokenizer; for benchmarks and start-up measurements (nothing
+    is read from disk). Its text is meaningless."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.loader.materialize import random_weights
+    from jaxserve.loader.tokenizer import Tokenizer
+    from jaxserve.models.presets import model_config
+
+    cfg = model_config(preset)
+    mesh, rules, shardings = _placement(cfg, tp, devices, dp)
+    weights = random_weights(cfg, jnp.dtype(dtype), jax.random.PRNGKey(seed), shardings=shardings)
+    tok = Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids)
+    return LoadedModel(cfg=cfg, tokenizer=tok, weights=weights, name=RANDOM_PREFIX + preset,
+                       mesh=mesh, rules=rules)
 
 
 @dataclass
@@ -127,7 +173,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         lm = model if isinstance(model, LoadedModel) else load_model(
             model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
-            yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices)
+            yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices,
+            packed=ecfg.packed_weights, isq=ecfg.isq)
         self.load_seconds = time.perf_counter() - t0
         self.model = lm
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer

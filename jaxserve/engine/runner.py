@@ -111,7 +111,15 @@ class ModelRunner:
             self.weights = weights = tf.unstack_layers(weights)
         elif self.scan_layers and isinstance(weights["layers"], list):
             layers = weights["layers"]
-            self.weights = weights = dict(weights, layers=jax.tree.map(lambda *a: jnp.stack(a), *layers))
+            try:
+                stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+            except ValueError:  # layers differ in packed format (e.g. Q4_K_M's Q6_K layers)
+                if ecfg.scan_layers:
+                    raise ValueError("scan_layers needs every layer's weights in one format; this "
+                                     "model's packed layers differ: use scan_layers off") from None
+                self.scan_layers = False
+            else:
+                self.weights = weights = dict(weights, layers=stacked)
         fuse = ecfg.fuse_projections
         if fuse is None:
             fuse = mesh is None
@@ -176,26 +184,39 @@ class ModelRunner:
         sh = self._replicated if self.mesh is not None else None
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), inp)
 
+    def _lower(self, key):
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+        return self._fn(key).lower(jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
+                                   jax.tree.map(spec, self.state), self._abstract_inputs(key))
+
     def compile(self, key):
         if key in self._compiled:
             return self._compiled[key]
         if self._frozen:
             raise RecompileError(f"program {key} is not in the compiled set {self.program_keys()}")
         t0 = time.perf_counter()
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
-        lowered = self._fn(key).lower(jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
-                                      jax.tree.map(spec, self.state), self._abstract_inputs(key))
-        exe = lowered.compile()
+        exe = self._lower(key).compile()
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[key] = exe
         return exe
 
-    def warmup(self) -> None:
-        """Compile the whole closed set, then refuse anything else."""
-        for key in self.program_keys():
-            self.compile(key)
+    def warmup(self, threads: int | None = None) -> None:
+        """Compile the whole closed set, then refuse anything else. Tracing is Python (serial); XLA's
+        compiles release the GIL, so they run in a thread pool (start-up time on many-core hosts)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        keys = [k for k in self.program_keys() if k not in self._compiled]
+        threads = threads or min(len(keys), max(1, (os.cpu_count() or 1) // 2), 8) or 1
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            futures = [(k, pool.submit(lowered.compile)) for k, lowered in
+                       ((k, self._lower(k)) for k in keys)]
+            for k, f in futures:
+                self._compiled[k] = f.result()
+        self.compile_seconds += time.perf_counter() - t0
         self._frozen = True
-        log.info("compiled %d programs in %.1fs", len(self._compiled), self.compile_seconds)
+        log.info("compiled %d programs in %.1fs (%d threads)", len(self._compiled), self.compile_seconds,
+                 threads)
 
     @property
     def num_compiled(self) -> int:

@@ -280,8 +280,14 @@ def _progress_disabled() -> bool:
     return os.environ.get("JAXSERVE_NO_PROGRESS") == "1" or not sys.stderr.isatty()
 
 
-def iter_gguf_tensors(readers, cfg: ModelConfig) -> Iterator[tuple[str, int | None, np.ndarray]]:
-    """Yield `(canonical name, layer or None, float32 array)` tensor by tensor, in canonical layout."""
+# Matmul weights that can stay packed on the device (the embedding table is gathered: dequantized).
+PACKABLE = {"layers.q", "layers.k", "layers.v", "layers.o", "layers.gate", "layers.up", "layers.down",
+            "lm_head"}
+
+
+def iter_gguf_tensors(readers, cfg: ModelConfig, packed: bool = False) -> Iterator[tuple[str, int | None, np.ndarray]]:
+    """Yield `(canonical name, layer or None, float32 array)` tensor by tensor, in canonical layout.
+    packed: quantized matmul weights come as QWeights (jaxserve.quant), repacked exactly."""
     from tqdm.auto import tqdm
 
     readers = _readers(readers)
@@ -301,7 +307,26 @@ def iter_gguf_tensors(readers, cfg: ModelConfig) -> Iterator[tuple[str, int | No
                 (name, transpose), layer = _PER_LAYER[m[2]], int(m[1])
                 if layer >= cfg.num_layers:
                     raise ValueError(f"GGUF tensor {t.name!r}: layer {layer} >= block_count {cfg.num_layers}")
-            yield name, layer, _canonical(t, name, transpose, permute, cfg)
+            if packed and name in PACKABLE and is_packable_type(int(t.tensor_type)):
+                yield name, layer, _packed(t, name, permute, cfg)
+            else:
+                yield name, layer, _canonical(t, name, transpose, permute, cfg)
+
+
+def _packed(t, name: str, permute: bool, cfg: ModelConfig):
+    from jaxserve.quant.gguf_pack import pack_gguf
+
+    K, N = (int(s) for s in t.shape.tolist())  # ggml order: [in, out]
+    perm = None
+    if permute and name in ("layers.q", "layers.k"):
+        perm = unpermute_rows(N, cfg.num_heads if name == "layers.q" else cfg.num_kv_heads)
+    return pack_gguf(int(t.tensor_type), t.data, (K, N), perm=perm, name=t.name)
+
+
+def is_packable_type(tensor_type: int) -> bool:
+    from jaxserve.quant.gguf_pack import GGUF_TYPES
+
+    return tensor_type in GGUF_TYPES
 
 
 def _canonical(t, name: str, transpose: bool, permute: bool, cfg: ModelConfig) -> np.ndarray:

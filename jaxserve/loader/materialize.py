@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.weights import CanonicalTensor, iter_checked, tree_from_flat, weight_specs
+from jaxserve.quant.qweight import QWeight
 
 
 # Largest piece of a tensor converted and sent at once: bounds the host copy, however large the tensor.
@@ -82,17 +83,19 @@ def _row_chunks(rows: int, row_bytes: int) -> tuple[int, list[int]]:
 
 
 def materialize(cfg: ModelConfig, tensors: Iterable[CanonicalTensor], dtype,
-                shardings: dict[str, Sharding] | None = None) -> dict:
+                shardings: dict[str, Sharding] | None = None, packed: bool = False) -> dict:
     """Weights tree (nested dict, see weights.tree_from_flat) of `cfg` from a canonical tensor stream.
 
     `dtype`: the weights' dtype on the device (converted on the host, chunk by chunk).
     `shardings`: flat name ('layers.q', 'embed', ...) -> Sharding of the whole (stacked) weight; names not in
     it go to the default device. Raises ValueError for unknown, misshapen, duplicate or missing weights.
+    `packed`: the stream may hold packed QWeights (one device only); layers come back as a list.
     """
     dtype = np.dtype(jnp.dtype(dtype))
     specs = weight_specs(cfg)
     shardings = shardings or {}
     out: dict[str, jax.Array] = {}
+    per_layer: list[dict] = [{} for _ in range(cfg.num_layers)]
     seen: set[tuple[str, int | None]] = set()
     for name, layer, arr in iter_checked(cfg, tensors):
         spec = specs[name]
@@ -103,6 +106,19 @@ def materialize(cfg: ModelConfig, tensors: Iterable[CanonicalTensor], dtype,
         if spec.stacked and (layer is None or not 0 <= layer < spec.shape[0]):
             raise ValueError(f"per-layer weight {name} came with layer index {layer!r}")
         sharding = shardings.get(name)
+        if packed:
+            # Packed quantized weights: each tensor is its own device array (layers may differ in
+            # format, so nothing is stacked); the tree's layers become a per-layer list.
+            if sharding is not None:
+                raise ValueError("packed quantized weights are placed on one device (no sharding)")
+            x = jax.device_put(arr if isinstance(arr, QWeight) else host_array(arr, dtype))
+            jax.block_until_ready(x)
+            if spec.stacked:
+                per_layer[layer][name.split(".", 1)[1]] = x
+            else:
+                out[name] = x
+            x = arr = None
+            continue
         if name not in out:
             out[name] = _full(spec.shape, dtype, sharding)
         write = _writer(sharding)
@@ -122,7 +138,10 @@ def materialize(cfg: ModelConfig, tensors: Iterable[CanonicalTensor], dtype,
                 out[name].block_until_ready()
         out[name].block_until_ready()
         x = arr = None  # drop our references before the loader maps the next tensor
-    return tree_from_flat(out)
+    tree = tree_from_flat(out)
+    if packed:
+        tree["layers"] = per_layer
+    return tree
 
 
 def _normal(key, scale, shape, dtype):

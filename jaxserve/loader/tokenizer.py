@@ -132,6 +132,18 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
+    def synthetic(cls, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> "Tokenizer":
+        """For random-weight models: ids < 256 are bytes (byte-level BPE, no merges), id i >= 256
+        decodes to " t<i>". Text encodes to bytes, so any text round-trips."""
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        vocab = {ch: i for i, ch in enumerate(alphabet)}
+        vocab.update({f"\u0120t{i}": i for i in range(len(alphabet), vocab_size)})  # U+0120 = a space
+        tok = HFTokenizer(BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return cls(tok, eos_token_ids=eos_token_ids, add_bos=False)
+
+    @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
         """A HF tokenizer directory: tokenizer.json plus the config files around it."""
         path = Path(path)

@@ -11,6 +11,7 @@ rectangle, no per-sequence Python work, one compiled program per (tokens, sequen
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -20,6 +21,17 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.paged_attention import reference as attn_ref
 from jaxserve.models.rope import rope_tables
+from jaxserve.quant.qweight import QWeight
+
+
+def linear(x, w):
+    """x [T, K] @ w [K, N]; w a dense array or a packed QWeight (quantized matmul kernel of this
+    platform: Pallas on GPU, dequantize + dot on CPU)."""
+    if isinstance(w, QWeight):
+        from jaxserve.kernels import quant_matmul
+
+        return quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))(x, w)
+    return x @ w
 
 
 def rms_norm(x, w, eps):
@@ -60,12 +72,12 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
-        qkv = h @ w["qkv"]
+        qkv = linear(h, w["qkv"])
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
         q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
     else:
-        q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
+        q, k, v = linear(h, w["q"]), linear(h, w["k"]), linear(h, w["v"])
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q, k, v = q.reshape(T, H, hd), k.reshape(T, KV, hd), v.reshape(T, KV, hd)
@@ -87,16 +99,16 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
         o = jnp.concatenate([
             attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
             tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
-    o = o.reshape(T, H * hd) @ w["o"]
+    o = linear(o.reshape(T, H * hd), w["o"])
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x = x + o
     h = rms_norm(x, w["ffn_norm"], cfg.rms_norm_eps)
     if "gate_up" in w:
-        g, u = jnp.split(h @ w["gate_up"], 2, axis=-1)
+        g, u = jnp.split(linear(h, w["gate_up"]), 2, axis=-1)
     else:
-        g, u = h @ w["gate"], h @ w["up"]
-    m = (_act(cfg, g) * u) @ w["down"]
+        g, u = linear(h, w["gate"]), linear(h, w["up"])
+    m = linear(_act(cfg, g) * u, w["down"])
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
     return x + m, (k_cache, v_cache)
@@ -112,8 +124,28 @@ def unstack_layers(weights) -> dict:
         a = stacked.pop(name)
         for i in range(L):
             per_layer[i][name] = a[i]
-        a.delete() if hasattr(a, "delete") else None
+        _free(a)
     return dict(weights, layers=per_layer)
+
+
+def _free(a) -> None:
+    for leaf in jax.tree.leaves(a):  # a QWeight frees every packed leaf
+        leaf.delete() if hasattr(leaf, "delete") else None
+
+
+def _concat_out(srcs):
+    """Concatenate weights along the output axis N; None when they cannot be (mixed packed formats:
+    a Q4_K_M file keeps some layers' v in Q6_K)."""
+    if not any(isinstance(a, QWeight) for a in srcs):
+        return jnp.concatenate(srcs, axis=-1)
+    if not all(isinstance(a, QWeight) for a in srcs):
+        return None
+    metas = {dataclasses.replace(a.meta, N=0) for a in srcs}
+    if len(metas) != 1:
+        return None
+    meta = dataclasses.replace(srcs[0].meta, N=sum(a.meta.N for a in srcs))
+    names = srcs[0].arrays
+    return QWeight(meta, {n: jnp.concatenate([a.arrays[n] for a in srcs], axis=-1) for n in names})
 
 
 _FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
@@ -129,10 +161,13 @@ def fuse_projections(weights, free: bool = True) -> dict:
         layer = dict(layer)
         for new, parts in _FUSED.items():
             if all(p in layer for p in parts):
+                fused = _concat_out([layer[p] for p in parts])
+                if fused is None:
+                    continue
                 srcs = [layer.pop(p) for p in parts]
-                layer[new] = jnp.concatenate(srcs, axis=-1)
+                layer[new] = fused
                 for a in srcs if free else ():
-                    a.delete() if hasattr(a, "delete") else None
+                    _free(a)
         return layer
 
     layers = weights["layers"]
@@ -154,7 +189,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
     """
     layers = weights["layers"]
-    dtype = (layers[0] if isinstance(layers, list) else layers)["down"].dtype
+    dtype = (layers[0] if isinstance(layers, list) else layers)["attn_norm"].dtype
     x = embed(cfg, weights, batch["token_ids"], dtype)
     if scan_layers:
         def body(carry, xs):
@@ -177,7 +212,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
 def logits_from_hidden(cfg: ModelConfig, weights, h):
     """h [N, D] -> f32 logits [N, V] (final soft-cap applied)."""
     if "lm_head" in weights:
-        logits = h @ weights["lm_head"]
+        logits = linear(h, weights["lm_head"])
     else:
         logits = h @ weights["embed"].T
     logits = logits.astype(jnp.float32)

@@ -114,7 +114,7 @@ def iter_checked(cfg: ModelConfig, tensors: Iterable[CanonicalTensor]) -> Iterat
         if spec is None:
             raise ValueError(f"loader produced unknown weight {name!r}")
         want = spec.shape[1:] if spec.stacked else spec.shape
-        if tuple(arr.shape) != tuple(want):
+        if tuple(arr.shape) != tuple(want):  # (a packed QWeight's shape is its logical [K, N])
             where = f"{name}[{layer}]" if spec.stacked else name
             raise ValueError(f"weight {where} has shape {tuple(arr.shape)}, expected {tuple(want)}")
         seen.add((name, layer))

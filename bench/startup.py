@@ -1,0 +1,88 @@
+"""Start-up time of the server: process start -> GET /health answers 200 (model loaded, every program
+of the closed bucket set compiled), first with an empty compilation cache (cold), then with the cache
+the first start filled (warm).
+
+    python bench/startup.py --model random:llama-3.1-8b [--runs cold,warm] [-- extra jaxserve run flags]
+
+Each start is a fresh `python -m jaxserve.cli run` process on a free port; it is stopped (SIGINT) once
+healthy. Prints seconds to healthy and the server's own "ready in" line (load + compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.configs import append_json_rows  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_once(model: str, cache_dir: str, extra: list[str], timeout: float) -> tuple[float, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--model", model, "--port", str(port),
+           "--compile-cache-dir", cache_dir, *extra]
+    t0 = time.perf_counter()
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(f"not healthy after {timeout}s")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        dt = time.perf_counter() - t0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log.seek(0)
+    ready = [ln.strip() for ln in log.read().splitlines() if "ready in" in ln or "compiled" in ln]
+    return dt, " / ".join(ready)[-400:]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:llama-3.1-8b")
+    ap.add_argument("--runs", default="cold,warm")
+    ap.add_argument("--timeout", type=float, default=500)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags for jaxserve run")
+    args = ap.parse_args(argv)
+    extra = [a for a in args.extra if a != "--"]
+    cache = tempfile.mkdtemp(prefix="jaxserve-startup-cache-")
+    rows = []
+    for kind in args.runs.split(","):
+        dt, ready = start_once(args.model, cache, extra, args.timeout)
+        rows.append(dict(model=args.model, cache=kind, seconds=dt, server_log=ready, flags=" ".join(extra)))
+        print(f"{kind:5s}: healthy after {dt:.1f}s  [{ready}]", flush=True)
+    append_json_rows(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
