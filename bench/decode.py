@@ -1,4 +1,4 @@
-"""bs1 decode speed through the real ModelRunner (decode program, K steps per dispatch on the device).
+"""Decode speed (bs1, or --batch N sequences) through the real ModelRunner (decode program, K steps per dispatch on the device).
 
     python bench/decode.py --random-weights --config llama-3.1-8b --contexts 0,4096,32768 \
         --attention reference,pallas_triton [--steps 8] [--dispatches 8] [--runs 5]
@@ -57,14 +57,14 @@ def tree_weight_bytes(cfg, weights) -> int:
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
-                 fuse=None):
+                 fuse=None, batch=1):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
-    num_blocks = -(-max_len // block_size) + 2
-    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=1, block_size=block_size,
+    num_blocks = batch * -(-max_len // block_size) + 2
+    ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=batch, block_size=block_size,
                         num_blocks=num_blocks, decode_steps=steps, dtype="bfloat16",
-                        max_logprobs=max_logprobs, seq_buckets=(1,), prefill_chunk_size=256,
+                        max_logprobs=max_logprobs, seq_buckets=(batch,), prefill_chunk_size=256,
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
                         scan_layers=False)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention)
@@ -78,48 +78,53 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
     return runner
 
 
-def make_seq(cfg, ctx, n_blocks, seed):
+def make_seq(cfg, ctx, n_blocks, seed, row=0):
     from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.engine.sequence import Sequence
 
-    rng = np.random.default_rng(seed + ctx)
+    rng = np.random.default_rng(seed + ctx + 7919 * row)
     prompt = [int(x) for x in rng.integers(0, cfg.vocab_size, ctx + 1)]
-    seq = Sequence("bench", prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
-    seq.block_table = list(range(1, n_blocks + 1))
-    seq.row = 0
+    seq = Sequence(f"bench-{row}", prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    seq.block_table = list(range(1 + row * n_blocks, 1 + (row + 1) * n_blocks))
+    seq.row = row
     seq.num_computed_tokens = ctx
     return seq
 
 
-def run_engine(runner, seq, ctx, steps, dispatches):
-    """One timed run: `dispatches` x execute(K decode steps), serial as the engine does at bs1."""
+def _as_list(seqs):
+    return seqs if isinstance(seqs, list) else [seqs]
+
+
+def _sched(seqs, start, steps):
     from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
 
-    seq.output_token_ids = []
+    return SchedulerOutput([ScheduledSeq(s, start, 1) for s in _as_list(seqs)], decode_steps=steps)
+
+
+def run_engine(runner, seqs, ctx, steps, dispatches):
+    """One timed run: `dispatches` x execute(K decode steps of every sequence), serial as the engine
+    does. Returns aggregate tok/s."""
+    seqs = _as_list(seqs)
+    for s in seqs:
+        s.output_token_ids = []
     start = ctx
     t0 = time.perf_counter()
     for _ in range(dispatches):
-        sched = SchedulerOutput([ScheduledSeq(seq, start, 1)], decode_steps=steps)
-        res = runner.execute(sched)
-        seq.output_token_ids += res.tokens[0]
+        res = runner.execute(_sched(seqs, start, steps))
+        for s, toks in zip(seqs, res.tokens):
+            s.output_token_ids += toks
         start += steps
     dt = time.perf_counter() - t0
-    assert len(seq.output_token_ids) == steps * dispatches
-    return steps * dispatches / dt
+    assert all(len(s.output_token_ids) == steps * dispatches for s in seqs)
+    return len(seqs) * steps * dispatches / dt
 
 
-def _sched(seq, ctx, steps):
-    from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
-
-    return SchedulerOutput([ScheduledSeq(seq, ctx, 1)], decode_steps=steps)
-
-
-def run_device(runner, seq, ctx, steps, dispatches):
+def run_device(runner, seqs, ctx, steps, dispatches):
     """The same program called back to back with the same inputs (no host round trip)."""
-    from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
-
-    seq.output_token_ids = []
-    key, inp, _ = runner.prepare(SchedulerOutput([ScheduledSeq(seq, ctx, 1)], decode_steps=steps))
+    seqs = _as_list(seqs)
+    for s in seqs:
+        s.output_token_ids = []
+    key, inp, _ = runner.prepare(_sched(seqs, ctx, steps))
     exe = runner.compile(key)
     inp = jax.device_put(inp)
     jax.block_until_ready(inp)
@@ -128,7 +133,7 @@ def run_device(runner, seq, ctx, steps, dispatches):
     for _ in range(dispatches):
         runner.state, out = exe(runner.consts, runner.weights, runner.state, inp)
     jax.block_until_ready(out)
-    return steps * dispatches / (time.perf_counter() - t0)
+    return len(seqs) * steps * dispatches / (time.perf_counter() - t0)
 
 
 def main(argv=None):
@@ -137,6 +142,7 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
     ap.add_argument("--attention", default="reference,pallas_triton")
     ap.add_argument("--contexts", default="0,4096,32768")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (tok/s: aggregate)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per dispatch (K)")
     ap.add_argument("--dispatches", type=int, default=8, help="dispatches per timed run")
     ap.add_argument("--runs", type=int, default=5)
@@ -146,6 +152,7 @@ def main(argv=None):
     ap.add_argument("--quant", default="none",
                     help="comma list: none (bf16) or packed formats (q4k, q8_0, q4_0, ...) of random weights")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
+    ap.add_argument("--hlo-dir", default=None, help="write each variant's optimized decode program here")
     ap.add_argument("--profile", type=int, default=0,
                     help="print a device kernel table of this many device-only dispatches per context")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
@@ -197,33 +204,42 @@ def main(argv=None):
         elif fuse and not fused:  # unfused variants ran first: their arrays can go
             weights, fused = tf.fuse_projections(weights, free=True), True
         wbytes = tree_weight_bytes(cfg, weights)
-        runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len, steps=args.steps,
-                              block_size=args.block_size, max_logprobs=args.max_logprobs, seed=args.seed,
-                              fuse=fuse)
+        B = args.batch
+        runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
+                              steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
+                              seed=args.seed, fuse=fuse, batch=B)
         t = time.perf_counter()
         try:
-            runner.compile(("decode", 1))
+            runner.compile(("decode", B))
         except Exception as e:  # report and go on with the next implementation
             print(f"{label}: compile FAILED: {type(e).__name__}: {str(e)[:1500]}", flush=True)
             del runner
             continue
         print(f"# {label}: decode program compiled in {time.perf_counter() - t:.1f}s", flush=True)
+        if args.hlo_dir:
+            import gzip
+            import re
+
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            path = os.path.join(args.hlo_dir, re.sub(r"\W+", "_", label) + ".hlo.txt.gz")
+            with gzip.open(path, "wt") as f:
+                f.write(runner.compile(("decode", B)).as_text())
         n_blocks = -(-max_len // args.block_size)
         for ctx in contexts:
           try:
-            seq = make_seq(cfg, ctx, n_blocks, args.seed)
+            seq = [make_seq(cfg, ctx, n_blocks, args.seed, row=b) for b in range(B)]
             run_engine(runner, seq, ctx, args.steps, 2)  # warm-up
             # Same weights, same random cache, greedy: tokens should match the first implementation
             # (near-uniform random-weight logits can flip an argmax on bf16 rounding, so: a count).
-            toks = list(seq.output_token_ids)
+            toks = list(seq[0].output_token_ids)
             ref_toks = first_tokens.setdefault(ctx, toks)
             match = sum(a == b for a, b in zip(toks, ref_toks))
             eng = [run_engine(runner, seq, ctx, args.steps, args.dispatches) for _ in range(args.runs)]
             devs = [run_device(runner, seq, ctx, args.steps, args.dispatches) for _ in range(args.runs)]
             mid_ctx = ctx + args.steps * args.dispatches // 2
-            nbytes = wbytes + kv_bytes_per_token(cfg, mid_ctx, 2)
-            roof = args.bandwidth / nbytes
-            row = dict(config=args.config, attention=label, quant=quant, context=ctx, steps=args.steps,
+            nbytes = wbytes + B * kv_bytes_per_token(cfg, mid_ctx, 2)  # per step of all B rows
+            roof = B * args.bandwidth / nbytes
+            row = dict(config=args.config, attention=label, quant=quant, batch=B, context=ctx, steps=args.steps,
                        tok_s=statistics.median(eng), tok_s_min=min(eng), tok_s_max=max(eng),
                        device_tok_s=statistics.median(devs), roofline_tok_s=roof,
                        roofline_share=statistics.median(eng) / roof, bytes_per_token=nbytes,
@@ -241,7 +257,7 @@ def main(argv=None):
                     return out
 
                 print_table(kernel_table(call, args.profile), per=args.profile * args.steps,
-                            label=f"{label} ctx {ctx}, per token")
+                            label=f"{label} bs{B} ctx {ctx}, per step")
             print(f"{label:28s} ctx {ctx:6d}: {row['tok_s']:7.1f} tok/s (min {min(eng):.1f} max "
                   f"{max(eng):.1f}); device-only {row['device_tok_s']:7.1f}; roofline {roof:6.1f} "
                   f"-> {row['roofline_share']:.2f}; greedy tokens = first impl's: {match}/{len(toks)}",
@@ -249,10 +265,10 @@ def main(argv=None):
           except Exception as e:  # noqa: E722 -- report, go on
             print(f"{label} ctx {ctx}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
         del runner
-    print("\n| attention | context | tok/s (engine) | tok/s (device only) | roofline tok/s | share |")
-    print("|---|---|---|---|---|---|")
+    print("\n| attention | batch | context | tok/s (engine) | tok/s (device only) | roofline tok/s | share |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['attention']} | {r['context']} | {r['tok_s']:.1f} | {r['device_tok_s']:.1f} | "
+        print(f"| {r['attention']} | {r['batch']} | {r['context']} | {r['tok_s']:.1f} | {r['device_tok_s']:.1f} | "
               f"{r['roofline_tok_s']:.1f} | {r['roofline_share']:.2f} |")
     append_json_rows(args.json, rows)
 
