@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.configs import median_call_seconds  # noqa: E402
 from jaxserve.kernels.paged_attention import pallas_triton as pt  # noqa: E402
 from jaxserve.kernels.paged_attention import reference as ref  # noqa: E402
 
@@ -156,15 +157,7 @@ def step_fn(fn, n_layers, L, kw):
 
 
 def bench(f, args, reps):
-    out = f(*args)
-    jax.block_until_ready(out)  # compile + warm-up
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return median_call_seconds(f, args, reps)
 
 
 def run_timing(quick, rows, reps):

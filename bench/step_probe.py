@@ -140,7 +140,8 @@ def main():
         for i in range(L):
             w = jax.tree.map(lambda a: a[i], layers_arg) if stacked else layers_arg[i]
             c = {k: (v[i] if k != "index" else i) for k, v in consts.items()}
-            x, kv = tf.decoder_layer(cfg, x, w, c, kv, batch, attention)
+            x, m, kv = tf.decoder_layer(cfg, x, w, c, kv, batch, attention)
+            x = x + m
         h = tf.rms_norm(x, top_w["final_norm"], cfg.rms_norm_eps)
         return jnp.argmax(tf.logits_from_hidden(cfg, top_w, h), -1), kv
 

@@ -20,6 +20,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.paged_attention import reference as attn_ref
+from jaxserve.kernels.rms_norm.reference import add_rms_norm as _add_rms_norm_ref
+from jaxserve.kernels.rms_norm.reference import rms_norm  # noqa: F401  (the model's norm, re-exported)
 from jaxserve.models.rope import rope_tables
 from jaxserve.quant.qweight import QWeight
 
@@ -32,12 +34,6 @@ def linear(x, w):
 
         return quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))(x, w)
     return x @ w
-
-
-def rms_norm(x, w, eps):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def apply_rope(x, positions, inv_freq, attn_factor):
@@ -66,11 +62,18 @@ def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
             "index": np.arange(cfg.num_layers, dtype=np.int32)}
 
 
-def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
-    """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache)."""
+def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, resid=None,
+                  add_norm: Callable | None = None):
+    """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache).
+
+    The block's input is x + resid (resid: the previous block's MLP output, or None) and its output
+    (x', m, kv) means x' + m: each residual add is left to the next norm, so `add_norm` (a fused
+    add + RMSNorm kernel on GPU, kernels/rms_norm) does add and norm in one pass."""
+    add_norm = add_norm or _add_rms_norm_ref
+    eps = cfg.rms_norm_eps
     T = x.shape[0]
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+    x, h = add_norm(x, resid, w["attn_norm"], eps)
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
         qkv = linear(h, w["qkv"])
         if cfg.attention_bias:
@@ -102,8 +105,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
     o = linear(o.reshape(T, H * hd), w["o"])
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
-    x = x + o
-    h = rms_norm(x, w["ffn_norm"], cfg.rms_norm_eps)
+    x, h = add_norm(x, o, w["ffn_norm"], eps)
     if "gate_up" in w:
         g, u = jnp.split(linear(h, w["gate_up"]), 2, axis=-1)
     else:
@@ -111,7 +113,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable):
     m = linear(_act(cfg, g) * u, w["down"])
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
-    return x + m, (k_cache, v_cache)
+    return x, m, (k_cache, v_cache)
 
 
 def unstack_layers(weights) -> dict:
@@ -183,30 +185,34 @@ def embed(cfg: ModelConfig, weights, token_ids, dtype):
 
 
 def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers: bool,
-                   attention: Callable = attn_ref.paged_attention):
+                   attention: Callable = attn_ref.paged_attention, add_norm: Callable | None = None):
     """Run all layers. Returns (final-normed hidden [T, D], (k_cache, v_cache)).
 
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
+    add_norm: fused residual add + RMSNorm (kernels/rms_norm; default the jnp reference).
     """
+    add_norm = add_norm or _add_rms_norm_ref
     layers = weights["layers"]
     dtype = (layers[0] if isinstance(layers, list) else layers)["attn_norm"].dtype
     x = embed(cfg, weights, batch["token_ids"], dtype)
     if scan_layers:
         def body(carry, xs):
-            x, kv = carry
+            x, resid, kv = carry
             w, c = xs
-            x, kv = decoder_layer(cfg, x, w, c, kv, batch, attention)
-            return (x, kv), None
+            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm)
+            return (x, resid, kv), None
 
-        (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, consts))
+        # The first block's residual is zero (x + 0 == x exactly): one carry structure for the scan.
+        (x, resid, kv), _ = jax.lax.scan(body, (x, jnp.zeros_like(x), kv), (layers, consts))
     else:
+        resid = None
         for i in range(cfg.num_layers):
             # Per-layer arrays (see unstack_layers): slicing a stacked weight inside the on-device
             # decode loop makes XLA copy it every step.
             w = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
             c = {k: (v[i] if k != "index" else i) for k, v in consts.items()}
-            x, kv = decoder_layer(cfg, x, w, c, kv, batch, attention)
-    return rms_norm(x, weights["final_norm"], cfg.rms_norm_eps), kv
+            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm)
+    return add_norm(x, resid, weights["final_norm"], cfg.rms_norm_eps)[1], kv
 
 
 def logits_from_hidden(cfg: ModelConfig, weights, h):

@@ -10,19 +10,12 @@ that importing this package stays light (no Pallas/Triton import on the CPU path
 
 from __future__ import annotations
 
-IMPLEMENTATIONS = ("reference", "pallas_triton")
+from jaxserve.kernels import registry
+from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
 
 
 def get(name: str):
-    if name == "reference":
-        from jaxserve.kernels.paged_attention import reference
-
-        return reference.paged_attention
-    if name == "pallas_triton":
-        from jaxserve.kernels.paged_attention import pallas_triton
-
-        return pallas_triton.paged_attention
-    raise ValueError(f"unknown paged attention implementation {name!r}; known: {IMPLEMENTATIONS}")
+    return registry.load(__name__, name, "paged_attention", "paged attention")
 
 
 def get_tiled(name: str, tile: int):
@@ -38,8 +31,3 @@ def get_tiled(name: str, tile: int):
 
         return functools.partial(pallas_triton.paged_attention, mode="prefill")
     raise ValueError(f"unknown paged attention implementation {name!r}; known: {IMPLEMENTATIONS}")
-
-
-def default_for(platform: str) -> str:
-    """The implementation to use on a platform ('cpu', 'gpu'/'cuda', ...)."""
-    return "pallas_triton" if platform in ("gpu", "cuda") else "reference"

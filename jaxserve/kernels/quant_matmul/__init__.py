@@ -10,21 +10,9 @@ imported lazily so importing this package stays light.
 
 from __future__ import annotations
 
-IMPLEMENTATIONS = ("reference", "pallas_triton")
+from jaxserve.kernels import registry
+from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
 
 
 def get(name: str):
-    if name == "reference":
-        from jaxserve.kernels.quant_matmul import reference
-
-        return reference.qmatmul
-    if name == "pallas_triton":
-        from jaxserve.kernels.quant_matmul import pallas_triton
-
-        return pallas_triton.qmatmul
-    raise ValueError(f"unknown quant matmul implementation {name!r}; known: {IMPLEMENTATIONS}")
-
-
-def default_for(platform: str) -> str:
-    """The implementation to use on a platform ('cpu', 'gpu'/'cuda', ...)."""
-    return "pallas_triton" if platform in ("gpu", "cuda") else "reference"
+    return registry.load(__name__, name, "qmatmul", "quant matmul")

@@ -14,13 +14,20 @@ and then
   mode 'dot': acc += dot(x[:, slab], code) * s[None, :] (+ rowsum(x[:, slab])[:, None] * o[None, :]).
               The integer codes are exact in bf16, so the dot sees the true codes and the group
               scale is applied once per output element rather than once per weight.
-  mode 'fma': (M <= 8, no tensor cores) acc_m[slab, bn] += x[m, slab][:, None] * (code * s + o),
-              one [slab, bn] accumulator per row, reduced over the slab once at the end.
+  mode 'fma': (M <= 8, no tensor cores, no padding of M to 16) acc_m[slab, bn] +=
+              x[m, slab][:, None] * (code * s + o), one [slab, bn] accumulator per row, reduced over
+              the slab once at the end.
+  mode 'xla': (prefill, M >= xla_min_m) not a kernel: this layer's weight is dequantized to x's
+              dtype by XLA and multiplied by the vendor GEMM; at M=2048 that beats small-group
+              in-kernel dots ~5x. Only taken for large M, so a decode loop (where XLA could hoist a
+              loop-invariant dequantize) never uses it.
+Codes become floats by OR-ing them into the mantissa of 2**23 (no int->float conversion, which runs
+on a slow pipe on NVIDIA GPUs).
 
 Split-K (decode: few output tiles, long K) writes f32 partials [splits, Mp, Np] summed in jnp.
 Tunables (static): block_m, block_n, block_k (rows per loop iteration, a multiple of the step),
-splits, mode, num_warps, num_stages. M is padded to >= 16 rows for the dot; N not a multiple of
-block_n reads clamped columns (the extra outputs are sliced off).
+splits, mode, num_warps, num_stages, xla_min_m; defaults in `plan`. M is padded to >= 16 rows for
+the dot; N not a multiple of block_n reads clamped columns (the extra outputs are sliced off).
 """
 
 from __future__ import annotations
@@ -181,10 +188,11 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
          num_warps=None, xla_min_m: int = 512):
     """The static launch plan (mode, tile sizes, unroll, split count, warps) for [M, K] @ [K, N].
 
-    Defaults from an H200 sweep (Llama-8B gate 4096x14336, q4k): M <= 2 'fma' with 128 columns x
-    256 rows per program and ~12 programs per SM (43 us vs 122 us for 'dot' without splits);
-    'dot' for mid M with ~6 programs per SM; M >= xla_min_m 'xla' (prefill: dequantize to x's dtype
-    in XLA, then the vendor GEMM: ~6x faster than small-group in-kernel dots at M=2048).
+    Defaults from H200 sweeps (Llama-8B gate 4096x14336, q4k / q8_0, bf16 x): M <= 2 'fma' with
+    128 columns x 128 rows per program and ~12 programs per SM (q4k 44-48 us, q8_0 39-41 us, vs
+    122 us for 'dot' without splits; bf16 jnp.dot 62 us); 'dot' for mid M with ~6 programs per SM
+    (M=32: q4k 82 us, q8_0 74 us); M >= xla_min_m 'xla' (prefill M=2048: 520 us vs 3.3 ms for
+    small-group in-kernel dots; bf16 GEMM 336 us).
     """
     mode = mode or ("fma" if M <= 2 else "xla" if M >= xla_min_m else "dot")
     if mode not in ("dot", "fma", "xla"):
@@ -205,7 +213,7 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
     Np = -(-meta.N // bn) * bn
     L = meta.step
     steps = meta.Kp // L
-    u = max(1, min(steps, int(block_k or (256 if mode == "fma" else 128)) // L))
+    u = max(1, min(steps, int(block_k or 128) // L))
     while steps % u:
         u -= 1
     nblk = steps // u
@@ -216,7 +224,7 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
     splits = max(1, min(int(splits), nblk))
     per = -(-nblk // splits)
     splits = -(-nblk // per)  # no empty splits
-    warps = int(num_warps or (2 if mode == "fma" else 4))
+    warps = int(num_warps or 4)
     return dict(mode=mode, bm=bm, Mp=Mp, bn=bn, Np=Np, u=u, nblk=nblk, per=per, splits=splits,
                 num_warps=warps)
 

@@ -1,0 +1,157 @@
+"""Shared test base for every quantized-matmul implementation against x @ dequantize(W) in f64.
+
+On CPU the Pallas Triton-backend kernel runs in the Pallas interpreter (each case compiles an
+interpreted program: ~0.5 s, so shapes stay small); `bench/quant_gpu.py` checks it on the GPU at
+Llama-8B shapes in bf16.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels import quant_matmul
+from jaxserve.kernels.quant_matmul import pallas_triton as pt
+from jaxserve.kernels.quant_matmul import reference as ref
+from jaxserve.quant import isq
+from jaxserve.quant.gguf_pack import pack_gguf
+from jaxserve.quant.qweight import dequantize, stack
+
+
+def _jit(fn, **fixed):
+    """One compiled program per call; the QWeight's metadata is static, its leaves traced."""
+    f = jax.jit(lambda x, qw, layer: fn(x, qw, layer=layer, **fixed))
+
+    def call(x, qw, layer=None):
+        if layer is None:
+            return jax.jit(lambda x, qw: fn(x, qw, **fixed))(x, qw)
+        return f(x, qw, jnp.int32(layer))
+    return call
+
+
+IMPLS = {
+    "reference": _jit(ref.qmatmul),
+    "pallas_triton": _jit(pt.qmatmul, interpret=True),
+}
+K, N = 576, 96  # K: padded for the 1-bit-plane formats (step 128); N: not a multiple of block_n=64
+
+
+@functools.lru_cache(maxsize=None)
+def _weight(fmt, k=K, n=N, layers=0):
+    rng = np.random.default_rng(abs(hash((fmt, k, n, layers))) % 2**32)
+    shape = (layers, k, n) if layers else (k, n)
+    w = rng.standard_normal(shape).astype(np.float32)
+    return jax.device_put(isq.quantize(w, fmt, **({"group_size": 64} if fmt == "int4" else {})))
+
+
+def _oracle(x, qw, layer=None):
+    if layer is not None:
+        qw = qw[layer]
+    return np.asarray(x, np.float64) @ np.asarray(dequantize(qw), np.float64)
+
+
+def _check(got, want, rtol=2e-5):
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < rtol, err
+
+
+FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k", "int4"]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 5, 33])
+def test_matches_dequant_oracle(impl, fmt, M):
+    qw = _weight(fmt)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
+    _check(IMPLS[impl](x, qw), _oracle(x, qw))
+
+
+@pytest.mark.parametrize("fmt,M", [("q4k", 1), ("q5_1", 3), ("q6k", 1), ("q8_0", 2)])
+def test_fma_mode(fmt, M):
+    qw = _weight(fmt)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
+    _check(pt.qmatmul(x, qw, mode="fma", interpret=True), _oracle(x, qw))
+
+
+@pytest.mark.parametrize("tun", [dict(block_n=16, block_k=256, splits=1),
+                                 dict(block_m=32, block_n=128, splits=5)], ids=str)
+def test_tunables(tun):
+    qw = _weight("q4k")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((20, K)), jnp.float32)
+    _check(pt.qmatmul(x, qw, interpret=True, **tun), _oracle(x, qw))
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_stacked_layers_by_index_and_scan(impl):
+    """A stacked [L, K, N] QWeight: the layer index (traced) selects inside the kernel; scan slicing
+    gives per-layer QWeights that work unstacked."""
+    qs = _weight("q5k", k=256, n=64, layers=3)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 256)), jnp.float32)
+    for layer in (0, 2):
+        _check(IMPLS[impl](x, qs, layer), _oracle(x, qs, layer))
+    fn = ref.qmatmul if impl == "reference" else functools.partial(pt.qmatmul, interpret=True)
+    ys = jax.jit(lambda x, qs: jax.lax.scan(lambda c, q: (c, fn(x, q)), 0, qs)[1])(x, qs)
+    for i in range(3):
+        _check(ys[i], _oracle(x, qs, i))
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("fmt", ["q4k", "q6k"])
+def test_bf16_activations(impl, fmt):
+    qw = _weight(fmt)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, K)), jnp.bfloat16)
+    y = IMPLS[impl](x, qw)
+    assert y.dtype == jnp.bfloat16
+    _check(y, _oracle(np.asarray(x, np.float32), qw), rtol=1e-2)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_leading_dims_and_gguf_packed_weight(impl):
+    """x [B, T, K]; a weight repacked from GGUF Q3_K block bytes (random, valid)."""
+    rng = np.random.default_rng(11)
+    Kg, Ng = 256, 48
+    raw = rng.integers(0, 256, (Ng, 110), dtype=np.uint8)
+    raw[:, 108:110] = (rng.standard_normal((Ng, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    qw = jax.device_put(pack_gguf(11, raw, (Kg, Ng)))
+    x = jnp.asarray(rng.standard_normal((2, 3, Kg)), jnp.float32)
+    y = IMPLS[impl](x, qw)
+    assert y.shape == (2, 3, Ng)
+    _check(y.reshape(6, Ng), _oracle(x.reshape(6, Kg), qw))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q6k"])
+def test_xla_mode_for_large_m(fmt):
+    """M >= xla_min_m dequantizes in XLA then runs the GEMM (prefill); also for a stacked weight."""
+    qw = _weight(fmt)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((6, K)), jnp.float32)
+    assert pt.plan(qw.meta, 6, xla_min_m=4)["mode"] == "xla"
+    _check(pt.qmatmul(x, qw, xla_min_m=4, interpret=True), _oracle(x, qw))
+    qs = _weight("q5k", k=256, n=64, layers=3)
+    x = x[:, :256]
+    _check(jax.jit(lambda x, q, i: pt.qmatmul(x, q, layer=i, xla_min_m=4))(x, qs, 2), _oracle(x, qs, 2))
+
+
+def test_whole_k_group_int8():
+    qw = jax.device_put(isq.quantize(np.random.default_rng(2).standard_normal((320, 64)), "int8", group_size=0))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 320)), jnp.float32)
+    _check(pt.qmatmul(x, qw, interpret=True), _oracle(x, qw))
+
+
+def test_registry_and_errors():
+    assert quant_matmul.get("reference") is ref.qmatmul
+    assert quant_matmul.get("pallas_triton") is pt.qmatmul
+    assert quant_matmul.default_for("gpu") == "pallas_triton"
+    assert quant_matmul.default_for("cpu") == "reference"
+    with pytest.raises(ValueError):
+        quant_matmul.get("cutlass")
+    qs = _weight("q5k", k=256, n=64, layers=3)
+    with pytest.raises(ValueError, match="layer"):
+        pt.qmatmul(jnp.zeros((1, 256)), qs)
+    with pytest.raises(ValueError, match="K="):
+        pt.qmatmul(jnp.zeros((1, 100)), _weight("q4k"))
+    assert stack([qs[0], qs[1]]).shape == (2, 256, 64)
