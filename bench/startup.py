@@ -72,10 +72,11 @@ def main(argv=None):
     ap.add_argument("--runs", default="cold,warm")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cache-dir", default=None, help="compilation cache to use (default: a new empty one)")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: flags for jaxserve run")
     args = ap.parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
-    cache = tempfile.mkdtemp(prefix="jaxserve-startup-cache-")
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="jaxserve-startup-cache-")
     rows = []
     for kind in args.runs.split(","):
         dt, ready = start_once(args.model, cache, extra, args.timeout)

@@ -10,7 +10,8 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.output import SeqOutput, TextState
@@ -42,36 +43,45 @@ class LoadedModel:
     rules: dict | None = None
 
 
-def load_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
-               dtype: str = "float32",
-               yarn_scaling_factor: float | None = None, revision: str | None = None,
-               tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
-               isq: str | None = None) -> LoadedModel:
-    """Resolve a model source and stream its weights onto the device.
+@dataclass
+class ModelSource:
+    """A resolved model before any weight is read: its final config, tokenizer and weight stream.
 
-    tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
-    (DataParallelEngine then hands each replica its row of the mesh).
-    packed: quantized matmul weights stay packed on the device (None: on a GPU with one device);
-    isq: quantize dense matmul weights into that format at load (packed, or dequantized when not)."""
+    `tensors()` yields canonical tensors one at a time (see models/weights.py), so a consumer holds
+    about one tensor of host memory: load_model puts them on the device, tools/convert writes them out.
+    """
+
+    cfg: ModelConfig
+    tokenizer: Any
+    tensors: Callable[[], Iterator]
+    kind: str  # "gguf" | "safetensors" | "jaxserve" | "random"
+    generation_defaults: dict | None = None
+    tokenizer_dir: Path | None = None  # holds the tokenizer files (None: built from metadata)
+    model_dir: Path | None = None
+    gguf_readers: Any = None  # the opened GGUF files (kind "gguf")
+    prequantized: str | None = None  # ISQ format a jaxserve checkpoint's matmul weights already have
+
+
+def open_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
+               yarn_scaling_factor: float | None = None, revision: str | None = None,
+               packed: bool = False) -> ModelSource:
+    """Resolve a model source (anything load_model accepts) into its config, tokenizer and tensor stream.
+    packed: the stream may carry packed QWeights (GGUF block types, a checkpoint's quantized weights);
+    otherwise every tensor comes dense."""
     import dataclasses
 
-    import jax.numpy as jnp
-
     from jaxserve.loader import source
-    from jaxserve.loader.materialize import materialize
     from jaxserve.loader.tokenizer import Tokenizer
 
-    if packed is None:
-        import jax
-
-        packed = jax.devices()[0].platform != "cpu" and tp == 1 and dp == 1 and devices is None
-    elif packed and (tp > 1 or dp > 1):
-        raise ValueError("packed quantized weights run on one device: use packed_weights=False (--packed off) "
-                         "with tensor or data parallelism")
     if model and model.startswith(RANDOM_PREFIX):
-        return random_model(model[len(RANDOM_PREFIX):], dtype=dtype, tp=tp, devices=devices, dp=dp)
+        from jaxserve.loader.materialize import random_tensors
+        from jaxserve.models.presets import model_config
+
+        cfg = model_config(model[len(RANDOM_PREFIX):])
+        return ModelSource(cfg, Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids),
+                           lambda: random_tensors(cfg), "random")
     res = source.resolve_model(model, file=file, weights_file=weights_file, revision=revision)
-    gen_defaults = None
+    gen_defaults = readers = prequantized = None
     if res.kind == "gguf":
         from jaxserve.loader import gguf_loader
 
@@ -80,6 +90,12 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
         tok = (Tokenizer.from_dir(res.tokenizer_dir) if res.tokenizer_dir
                else Tokenizer.from_gguf(readers))
         tensors = lambda c: gguf_loader.iter_gguf_tensors(readers, c, packed=packed)
+    elif res.kind == "jaxserve":
+        from jaxserve.loader.checkpoint import open_checkpoint
+
+        ck = open_checkpoint(res.model_dir)
+        cfg, tok, gen_defaults, prequantized = ck.cfg, ck.tokenizer(), ck.generation_defaults, ck.isq
+        tensors = lambda c: ck.iter_tensors(packed=packed)
     else:
         import json
 
@@ -103,17 +119,52 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     # The tokenizer knows end-of-turn tokens the model config may not list.
     eos = tuple(dict.fromkeys(list(cfg.eos_token_ids) + sorted(tok.eos_token_ids)))
     cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    return ModelSource(cfg, tok, lambda: tensors(cfg), res.kind, generation_defaults=gen_defaults,
+                       tokenizer_dir=res.tokenizer_dir, model_dir=res.model_dir, gguf_readers=readers,
+                       prequantized=prequantized)
+
+
+def load_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
+               dtype: str = "float32",
+               yarn_scaling_factor: float | None = None, revision: str | None = None,
+               tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
+               isq: str | None = None) -> LoadedModel:
+    """Resolve a model source and stream its weights onto the device.
+
+    tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
+    (DataParallelEngine then hands each replica its row of the mesh).
+    packed: quantized matmul weights stay packed on the device (None: on a GPU with one device);
+    isq: quantize dense matmul weights into that format at load (packed, or dequantized when not)."""
+    import jax.numpy as jnp
+
+    from jaxserve.loader.materialize import materialize
+
+    if packed is None:
+        import jax
+
+        packed = jax.devices()[0].platform != "cpu" and tp == 1 and dp == 1 and devices is None
+    elif packed and (tp > 1 or dp > 1):
+        raise ValueError("packed quantized weights run on one device: use packed_weights=False (--packed off) "
+                         "with tensor or data parallelism")
+    if model and model.startswith(RANDOM_PREFIX):
+        return random_model(model[len(RANDOM_PREFIX):], dtype=dtype, tp=tp, devices=devices, dp=dp)
+    src = open_model(model, file=file, weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
+                     revision=revision, packed=packed)
+    if isq and src.prequantized:
+        log.warning("%s is already quantized (%s): isq=%s is ignored", model, src.prequantized, isq)
+        isq = None
+    cfg = src.cfg
     mesh, rules, shardings = _placement(cfg, tp, devices, dp)
-    stream = tensors(cfg)
+    stream = src.tensors()
     if isq:
         from jaxserve.quant.stream import quantize_stream
 
         stream = quantize_stream(stream, isq, packed=packed)
     weights = materialize(cfg, stream, jnp.dtype(dtype), shardings=shardings,
-                          packed=packed and (res.kind == "gguf" or bool(isq)))
+                          packed=packed and (src.kind == "gguf" or bool(isq) or bool(src.prequantized)))
     name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
-    return LoadedModel(cfg=cfg, tokenizer=tok, weights=weights, name=name,
-                       generation_defaults=gen_defaults, mesh=mesh, rules=rules)
+    return LoadedModel(cfg=cfg, tokenizer=src.tokenizer, weights=weights, name=name,
+                       generation_defaults=src.generation_defaults, mesh=mesh, rules=rules)
 
 
 RANDOM_PREFIX = "random:"

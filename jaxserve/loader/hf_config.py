@@ -246,3 +246,85 @@ def model_config_from_dir(model_dir: str | Path, yarn_scaling_factor: float | No
         if eos != cfg.eos_token_ids:
             cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     return cfg
+
+
+_HF_CLASSES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
+               "qwen2": ("qwen2", "Qwen2ForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+               "gemma2": ("gemma2", "Gemma2ForCausalLM"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+
+
+def _int_if_whole(x):
+    return int(x) if x is not None and float(x).is_integer() else x  # transformers types this one int
+
+
+def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The inverse of model_config_from_hf: a config.json dict that transformers (and
+    model_config_from_hf) read back as `cfg`. Raises ConfigError for what the model type cannot say."""
+    mtype, cls = _HF_CLASSES[cfg.arch]
+    gemma = cfg.arch.startswith("gemma")
+
+    def need(ok: bool, what: str):
+        if not ok:
+            raise ConfigError(f"{cfg.arch}: {what} cannot be expressed in a {mtype} config.json")
+
+    need(cfg.attention_bias == (cfg.arch == "qwen2"), f"attention_bias={cfg.attention_bias}")
+    need(cfg.qk_norm == (cfg.arch in ("qwen3", "gemma3")), f"qk_norm={cfg.qk_norm}")
+    need(cfg.sandwich_norms == gemma, f"sandwich_norms={cfg.sandwich_norms}")
+    need(cfg.hidden_act == ("gelu_tanh" if gemma else "silu"), f"hidden_act={cfg.hidden_act}")
+    need(math.isclose(cfg.embed_scale, math.sqrt(cfg.hidden_size) if gemma else 1.0), "embed_scale")
+    if not gemma:
+        need(cfg.attn_logit_softcap is None and cfg.final_logit_softcap is None, "logit soft-capping")
+        need(cfg.query_pre_attn_scalar is None, "query_pre_attn_scalar")
+    eos = list(cfg.eos_token_ids)
+    d: dict[str, Any] = dict(
+        architectures=[cls], model_type=mtype, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_theta=cfg.rope_theta,
+        bos_token_id=cfg.bos_token_id, eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+        pad_token_id=cfg.pad_token_id,
+    )
+    if cfg.arch != "qwen2":
+        d["attention_bias"] = False
+    if gemma:
+        d.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                 query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar),
+                 attn_logit_softcapping=cfg.attn_logit_softcap,
+                 final_logit_softcapping=cfg.final_logit_softcap)
+    else:
+        d["hidden_act"] = "silu"
+    rs = cfg.rope_scaling
+    if rs is not None and rs.rope_type != "default":
+        scaling: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor}
+        if rs.rope_type in ("llama3", "yarn"):
+            scaling["original_max_position_embeddings"] = rs.original_max_position_embeddings
+        if rs.rope_type == "llama3":
+            scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+        elif rs.rope_type == "yarn":
+            scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+            for k, default in (("mscale", 1.0), ("mscale_all_dim", 0.0), ("truncate", True),
+                               ("attention_factor", None)):  # only what differs from the defaults
+                if getattr(rs, k) != default:
+                    scaling[k] = getattr(rs, k)
+        d["rope_scaling"] = scaling
+    if cfg.arch == "gemma3":
+        d["rope_local_base_freq"] = cfg.rope_local_theta
+    # Attention windows, in each model type's own terms (see _layer_types).
+    types = cfg.layer_types
+    hf_types = [{"full": "full_attention", "sliding": "sliding_attention"}[t] for t in types]
+    window = cfg.sliding_window if "sliding" in types else None
+    if cfg.arch == "llama":
+        need(window is None, "a sliding window")
+    elif cfg.arch == "mistral":
+        need(window is None or set(types) == {"sliding"}, "sliding window on some layers only")
+        d["sliding_window"] = window
+    elif cfg.arch in ("qwen2", "qwen3"):
+        first = types.index("sliding") if window else len(types)
+        need(all((t == "sliding") == (i >= first) for i, t in enumerate(types)),
+             "sliding layers that are not the last ones")
+        d.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
+                 layer_types=hf_types)
+    else:
+        d.update(sliding_window=window, layer_types=hf_types)
+    return d

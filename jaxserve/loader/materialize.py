@@ -170,3 +170,16 @@ def random_weights(cfg: ModelConfig, dtype, key: jax.Array, scale: float = 0.02,
         else:
             out[name] = _normal_jit(sharding)(jax.random.fold_in(key, idx), np.float32(scale), spec.shape, dtype)
     return tree_from_flat(out)
+
+
+def random_tensors(cfg: ModelConfig, seed: int = 0, scale: float = 0.02):
+    """The canonical tensor stream of a random model, drawn on the host one tensor at a time (for
+    converting `random:<preset>`; random_weights builds the same kind of model on the device)."""
+    for idx, (name, spec) in enumerate(sorted(weight_specs(cfg).items())):
+        shape = spec.shape[1:] if spec.stacked else spec.shape
+        for layer in range(spec.shape[0]) if spec.stacked else [None]:
+            if name.endswith("norm"):
+                yield name, layer, np.ones(shape, np.float32)
+            else:
+                rng = np.random.default_rng([seed, idx, 0 if layer is None else layer + 1])
+                yield name, layer, rng.standard_normal(shape, np.float32) * np.float32(scale)

@@ -124,11 +124,11 @@ def read_header(path: Path) -> tuple[int, dict]:
     return data_start, header
 
 
-def _map_tensor(path: Path, data_start: int, name: str, info: dict) -> np.ndarray:
-    dtype = _DTYPES.get(info["dtype"])
+def _map_tensor(path: Path, data_start: int, name: str, info: dict, dtypes: dict = _DTYPES) -> np.ndarray:
+    dtype = dtypes.get(info["dtype"])
     if dtype is None:
         raise SafetensorsError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']} "
-                               f"(supported: {', '.join(_DTYPES)})")
+                               f"(supported: {', '.join(dtypes)})")
     shape = tuple(int(s) for s in info["shape"])
     lo, hi = info["data_offsets"]
     count = int(np.prod(shape, dtype=np.int64))
@@ -176,6 +176,16 @@ def canonical_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None, str
                 raise SafetensorsError(f"tensor {hf_name!r} ({canon}) does not fit the config of this {cfg.arch} model")
             return canon, layer, kind
     raise SafetensorsError(f"unexpected tensor {hf_name!r} in a {cfg.arch} checkpoint")
+
+
+def hf_tensor_name(canon: str, layer: int | None, cfg: ModelConfig) -> tuple[str, str]:
+    """The inverse of canonical_name: canonical (name, layer) -> (HF tensor name, kind)."""
+    if layer is None:
+        hf = next(k for k, (c, _) in _GLOBAL_MAP.items() if c == canon)
+        return hf, _GLOBAL_MAP[hf][1]
+    table = _GEMMA_LAYER_MAP if _is_gemma(cfg) else _LAYER_MAP
+    suffix = next(k for k, (c, _) in table.items() if c == canon)
+    return f"model.layers.{layer}.{suffix}", table[suffix][1]
 
 
 def _progress(total: int, desc: str):

@@ -3,6 +3,7 @@
     resolve_model(None)                                   # the default SmolLM2 GGUF (pip-installed data)
     resolve_model("model.gguf")                           # + its split shards when given x-00001-of-0000N.gguf
     resolve_model("path/to/dir")                          # GGUF or safetensors + config.json
+    resolve_model("path/to/ckpt")                         # jaxserve pre-quantized checkpoint (tools/convert)
     resolve_model("Qwen/Qwen2.5-0.5B-Instruct")           # safetensors repo
     resolve_model("org/name-GGUF", file="m-Q4_K_M.gguf")  # GGUF repo: file name or subfolder
     resolve_model("Qwen/Qwen2.5-0.5B-Instruct", weights_file="local.gguf")  # config/tokenizer from the repo
@@ -32,6 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
 _INDEX = "model.safetensors.index.json"
+CHECKPOINT_MARKER = "jaxserve_checkpoint.json"  # a jaxserve pre-quantized checkpoint (loader/checkpoint.py)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -43,7 +45,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    kind: str  # "gguf" | "safetensors"
+    kind: str  # "gguf" | "safetensors" | "jaxserve"
     paths: list[Path] = field(default_factory=list)  # weight files, in shard order
     model_dir: Path = Path(".")  # config.json (safetensors) lives here
     tokenizer_dir: Path | None = None  # has tokenizer.json / tokenizer_config.json, else None
@@ -105,6 +107,8 @@ def _local_dir(d: Path, file: str | None) -> ResolvedModel:
         if not target.is_file():
             raise ModelNotFoundError(f"{target} does not exist")
         return _local_gguf(target, d)
+    if (d / CHECKPOINT_MARKER).is_file():
+        return ResolvedModel("jaxserve", sorted(d.glob("*.safetensors")), d, _tokenizer_dir(d))
     if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
         try:
             files = checkpoint_files(d)
@@ -114,7 +118,8 @@ def _local_dir(d: Path, file: str | None) -> ResolvedModel:
     names = [p.name for p in d.glob("*.gguf")]
     if names:
         return _local_gguf(d / _pick_gguf(str(d), names), d)
-    raise ModelNotFoundError(f"{d} holds neither a .gguf file nor config.json with .safetensors weights")
+    raise ModelNotFoundError(f"{d} holds neither a .gguf file nor config.json with .safetensors weights "
+                             f"(nor a jaxserve checkpoint's {CHECKPOINT_MARKER})")
 
 
 # ---------------------------------------------------------------------------------------------- Hub
@@ -169,6 +174,9 @@ def _plan(repo_id: str, listing: list[str] | None, file: str | None, weights_kin
         if not names:
             return "gguf", [prefix + "*.gguf"], optional
         return "gguf", _gguf_models(names)[_pick_gguf(f"{repo_id}/{file}", names)], optional
+    if CHECKPOINT_MARKER in have and not file:  # a pre-quantized jaxserve checkpoint (tools/convert)
+        weights = [n for n in listing if n.endswith(".safetensors") and "/" not in n]
+        return "jaxserve", [CHECKPOINT_MARKER] + weights, optional
     if listing is None or ("config.json" in have and any(n.endswith(".safetensors") for n in have)):
         if _INDEX in have:
             return "safetensors", ["config.json", _INDEX], optional  # shards: after reading the index

@@ -129,6 +129,30 @@ class Tokenizer:
     def token_to_id(self, s: str) -> int | None:
         return self._tok.token_to_id(s)
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write tokenizer.json + tokenizer_config.json (e.g. for a tokenizer rebuilt from GGUF metadata).
+
+        from_dir reads them back with the same BOS/EOS policy and chat template; a post-processor that
+        adds BOS/EOS is attached for other readers (transformers), ours encodes without it."""
+        from tokenizers import processors
+
+        path = Path(path)
+        tok = HFTokenizer.from_str(self._tok.to_str())
+        if (self.add_bos or self.add_eos) and tok.post_processor is None:
+            pre = [self.bos_token] if self.add_bos else []
+            post = [self.eos_token] if self.add_eos else []
+            ids = {t: self._tok.token_to_id(t) for t in pre + post}
+            tok.post_processor = processors.TemplateProcessing(
+                single=" ".join(pre + ["$A"] + post), pair=" ".join(pre + ["$A"] + post + ["$B"] + post),
+                special_tokens=list(ids.items()))
+        tok.save(str(path / "tokenizer.json"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos,
+               "add_eos_token": self.add_eos, "bos_token": self.bos_token, "eos_token": self.eos_token,
+               "pad_token": None if self.pad_token_id is None else self._tok.id_to_token(self.pad_token_id)}
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod

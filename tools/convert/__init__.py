@@ -1,0 +1,17 @@
+"""Model conversion scripts.
+
+    python -m tools.convert.quantize --model SRC --isq q4k --out DIR   # pre-quantized jaxserve checkpoint
+    python -m tools.convert.export --model SRC --format gguf --out F    # llama.cpp GGUF
+    python -m tools.convert.export --model SRC --format safetensors --out DIR   # Hugging Face model dir
+
+SRC is anything `jaxserve run --model` accepts: a HF model directory, a GGUF file, a Hub id, a jaxserve
+checkpoint or `random:<preset>`.
+"""
+
+
+def add_common_args(p, *, shard_help: str, force_help: str) -> None:
+    """Source-selection and output flags both scripts take."""
+    p.add_argument("--file", default=None, help="which GGUF of a directory or Hub repo")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit")
+    p.add_argument("--shard-size", type=float, default=4.0, metavar="GIB", help=shard_help)
+    p.add_argument("--force", action="store_true", help=force_help)
