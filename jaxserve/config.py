@@ -165,8 +165,9 @@ class ModelConfig:
         return n if self.tie_word_embeddings else n + self.vocab_size * d
 
 
-# In-situ quantization formats (jaxserve.quant.qweight.FORMATS; GGUF block layouts).
-ISQ_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k")
+# In-situ quantization formats (= jaxserve.quant.isq.ISQ_FORMATS, kept here JAX-free for validation):
+# the GGUF block layouts, and GPTQ-style int4/int8 with per-group zero points (group 128).
+ISQ_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k", "int4", "int8")
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

@@ -99,6 +99,13 @@ def test_isq_engine_packed_matches_isq_dequantized(tmp_path):
     assert np.abs(outs["isq"][1] - outs["f32"][1]).max() > 1e-3
 
 
+def test_isq_format_lists_agree():
+    from jaxserve.config import ISQ_FORMATS
+    from jaxserve.quant import isq
+
+    assert ISQ_FORMATS == isq.ISQ_FORMATS
+
+
 def test_bad_quant_options_are_clear_errors():
     from jaxserve.config import ConfigError, EngineConfig
     from jaxserve.engine.llm_engine import load_model

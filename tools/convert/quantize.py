@@ -14,10 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxserve.config import ISQ_FORMATS  # JAX-free: --help imports no JAX
 from tools.convert import add_common_args
 
-# (the lists from jaxserve.quant.isq, spelt out so --help needs no JAX import)
-ISQ_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k", "int4", "int8")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
