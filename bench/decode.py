@@ -57,7 +57,7 @@ def tree_weight_bytes(cfg, weights) -> int:
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
-                 fuse=None, batch=1):
+                 fuse=None, batch=1, fused_rope_kv=False):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -66,6 +66,7 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         num_blocks=num_blocks, decode_steps=steps, dtype="bfloat16",
                         max_logprobs=max_logprobs, seq_buckets=(batch,), prefill_chunk_size=256,
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
+                        fused_rope_kv=fused_rope_kv,
                         scan_layers=False)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
@@ -142,6 +143,7 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
     ap.add_argument("--attention", default="reference,pallas_triton")
     ap.add_argument("--contexts", default="0,4096,32768")
+    ap.add_argument("--fused-rope-kv", action="store_true", help="the fused RoPE + K/V write kernel")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (tok/s: aggregate)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per dispatch (K)")
     ap.add_argument("--dispatches", type=int, default=8, help="dispatches per timed run")
@@ -187,7 +189,7 @@ def main(argv=None):
     fused = False
     for quant, spec, fuse in variants:
         label, fn = parse_impl(spec)
-        label += " fused" if fuse else ""
+        label += (" fused" if fuse else "") + (" rope_kv" if args.fused_rope_kv else "")
         if quant != "none":
             from bench.random_model import random_packed_layers
 
@@ -207,7 +209,7 @@ def main(argv=None):
         B = args.batch
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
-                              seed=args.seed, fuse=fuse, batch=B)
+                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=args.fused_rope_kv)
         t = time.perf_counter()
         try:
             runner.compile(("decode", B))

@@ -112,6 +112,12 @@ class ModelRunner:
         from jaxserve.kernels import rms_norm
 
         self.add_norm = rms_norm.get(rms_norm.default_for(platform)) if mesh is None else None
+        # Fused RoPE + K/V write: opt-in until measured on a GPU (EngineConfig.fused_rope_kv).
+        self.rope_kv = None
+        if ecfg.fused_rope_kv and mesh is None:
+            from jaxserve.kernels import rope_kv
+
+            self.rope_kv = rope_kv.get(rope_kv.default_for(platform))
         if not self.scan_layers and isinstance(weights["layers"], dict):
             self.weights = weights = tf.unstack_layers(weights)
         elif self.scan_layers and isinstance(weights["layers"], list):
@@ -175,7 +181,7 @@ class ModelRunner:
 
     def _fn(self, key):
         common = dict(scan_layers=self.scan_layers, attention=self.attention, num_top=self.num_top,
-                      add_norm=self.add_norm,
+                      add_norm=self.add_norm, rope_kv=self.rope_kv,
                       block_size=self.ecfg.block_size,
                       logits_sharding=self._replicated if self.mesh is not None else None)
         if key[0] == "decode":

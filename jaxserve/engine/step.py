@@ -52,7 +52,7 @@ def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_
 
 
 def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-               prompt_lp, block_size, logits_sharding=None, add_norm=None):
+               prompt_lp, block_size, logits_sharding=None, add_norm=None, rope_kv=None):
     R = state["out_counts"].shape[0] - 1
     # Fresh rows: clear their penalty state before counting this step's tokens into them.
     reset_rows = jnp.where(inp["reset"], inp["rows"], R)
@@ -70,7 +70,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     batch["slots"] = _slots(batch, block_size)
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
-                                       scan_layers=scan_layers, attention=attention, add_norm=add_norm)
+                                       scan_layers=scan_layers, attention=attention, add_norm=add_norm,
+                                       rope_kv=rope_kv)
     state = dict(state, k=k, v=v)
     out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], inp["samples"],
                          inp["sample_pos"], inp["st"], num_top, logits_sharding)
@@ -87,7 +88,7 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-                max_steps, block_size, logits_sharding=None, add_norm=None):
+                max_steps, block_size, logits_sharding=None, add_norm=None, rope_kv=None):
     S = inp["token_ids"].shape[0]
     token_seq = jnp.arange(S, dtype=jnp.int32)
 
@@ -97,7 +98,8 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
                  "block_tables": inp["block_tables"]}
         batch["slots"] = _slots(batch, block_size)
         hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
-                                           scan_layers=scan_layers, attention=attention, add_norm=add_norm)
+                                           scan_layers=scan_layers, attention=attention,
+                                           add_norm=add_norm, rope_kv=rope_kv)
         state = dict(state, k=k, v=v)
         # min_tokens: EOS stays banned while fewer than min_tokens outputs exist at this inner step.
         st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > i)

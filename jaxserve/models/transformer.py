@@ -22,6 +22,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kernels.paged_attention import reference as attn_ref
 from jaxserve.kernels.rms_norm.reference import add_rms_norm as _add_rms_norm_ref
 from jaxserve.kernels.rms_norm.reference import rms_norm  # noqa: F401  (the model's norm, re-exported)
+from jaxserve.kernels.rope_kv.reference import apply_rope
 from jaxserve.models.rope import rope_tables
 from jaxserve.quant.qweight import QWeight
 
@@ -34,18 +35,6 @@ def linear(x, w):
 
         return quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))(x, w)
     return x @ w
-
-
-def apply_rope(x, positions, inv_freq, attn_factor):
-    """Rotate-half RoPE (HF layout). x [T, N, hd]; inv_freq [hd/2]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos = (jnp.cos(emb) * attn_factor)[:, None, :]
-    sin = (jnp.sin(emb) * attn_factor)[:, None, :]
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos + rot * sin).astype(x.dtype)
 
 
 def _act(cfg: ModelConfig, x):
@@ -63,33 +52,43 @@ def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, resid=None,
-                  add_norm: Callable | None = None):
+                  add_norm: Callable | None = None, rope_kv: Callable | None = None):
     """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache).
 
     The block's input is x + resid (resid: the previous block's MLP output, or None) and its output
     (x', m, kv) means x' + m: each residual add is left to the next norm, so `add_norm` (a fused
-    add + RMSNorm kernel on GPU, kernels/rms_norm) does add and norm in one pass."""
+    add + RMSNorm kernel on GPU, kernels/rms_norm) does add and norm in one pass. rope_kv: a fused
+    RoPE + cache-write kernel (kernels/rope_kv) for fused q/k/v without q/k norms."""
     add_norm = add_norm or _add_rms_norm_ref
     eps = cfg.rms_norm_eps
     T = x.shape[0]
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x, h = add_norm(x, resid, w["attn_norm"], eps)
+    fused_kv = False
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
         qkv = linear(h, w["qkv"])
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
-        q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
+        if rope_kv is not None and not cfg.qk_norm:
+            # One kernel: split, RoPE on q and k, k/v into the cache (kernels/rope_kv).
+            q, k_cache, v_cache = rope_kv(qkv, batch["positions"], c["inv_freq"], c["attn_factor"],
+                                          kv[0], kv[1], c["index"], batch["slots"], num_heads=H,
+                                          num_kv_heads=KV, head_dim=hd)
+            fused_kv = True
+        else:
+            q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
     else:
         q, k, v = linear(h, w["q"]), linear(h, w["k"]), linear(h, w["v"])
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    q, k, v = q.reshape(T, H, hd), k.reshape(T, KV, hd), v.reshape(T, KV, hd)
-    if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, batch["positions"], c["inv_freq"], c["attn_factor"])
-    k = apply_rope(k, batch["positions"], c["inv_freq"], c["attn_factor"])
-    k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
+    if not fused_kv:
+        q, k, v = q.reshape(T, H, hd), k.reshape(T, KV, hd), v.reshape(T, KV, hd)
+        if cfg.qk_norm:
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, batch["positions"], c["inv_freq"], c["attn_factor"])
+        k = apply_rope(k, batch["positions"], c["inv_freq"], c["attn_factor"])
+        k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
     kw = dict(scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
     args = (k_cache, v_cache, c["index"], batch["block_tables"])
     D = batch.get("decode_slots")
@@ -137,13 +136,13 @@ def _free(a) -> None:
 
 def _concat_out(srcs):
     """Concatenate weights along the output axis N; None when they cannot be (mixed packed formats:
-    a Q4_K_M file keeps some layers' v in Q6_K)."""
+    a Q4_K_M file keeps some layers' v in Q6_K; NVFP4's per-tensor scales)."""
     if not any(isinstance(a, QWeight) for a in srcs):
         return jnp.concatenate(srcs, axis=-1)
     if not all(isinstance(a, QWeight) for a in srcs):
         return None
     metas = {dataclasses.replace(a.meta, N=0) for a in srcs}
-    if len(metas) != 1:
+    if len(metas) != 1 or srcs[0].meta.gscale:  # per-tensor global scales (NVFP4) differ: no concat
         return None
     meta = dataclasses.replace(srcs[0].meta, N=sum(a.meta.N for a in srcs))
     names = srcs[0].arrays
@@ -185,7 +184,8 @@ def embed(cfg: ModelConfig, weights, token_ids, dtype):
 
 
 def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers: bool,
-                   attention: Callable = attn_ref.paged_attention, add_norm: Callable | None = None):
+                   attention: Callable = attn_ref.paged_attention, add_norm: Callable | None = None,
+                   rope_kv: Callable | None = None):
     """Run all layers. Returns (final-normed hidden [T, D], (k_cache, v_cache)).
 
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
@@ -199,7 +199,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         def body(carry, xs):
             x, resid, kv = carry
             w, c = xs
-            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm)
+            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv)
             return (x, resid, kv), None
 
         # The first block's residual is zero (x + 0 == x exactly): one carry structure for the scan.
@@ -211,7 +211,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
             # decode loop makes XLA copy it every step.
             w = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
             c = {k: (v[i] if k != "index" else i) for k, v in consts.items()}
-            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm)
+            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv)
     return add_norm(x, resid, weights["final_norm"], cfg.rms_norm_eps)[1], kv
 
 

@@ -1,0 +1,79 @@
+"""Fused RoPE + K/V cache write in Pallas (Triton backend); interpret mode on CPU (tests).
+
+Grid (T, H + KV): program (t, j) rotates query head j (j < H) into q_out, or rotates key head j - H
+and copies value head j - H straight into the paged caches at the token's slot. The caches are
+aliased inputs/outputs (updated in place under donation); only the T slots are touched. RoPE is the
+reference's rotate-half in f32: first half x1*cos - x2*sin, second half x2*cos + x1*sin.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _on_cpu
+
+
+def _kernel(layer_ref, pos_ref, slot_ref, inv_ref, fac_ref, qkv_ref, k_in, v_in,
+            q_ref, k_ref, v_ref, *, H, KV, hd, BS):
+    del k_in, v_in  # aliased to k_ref / v_ref
+    t, j = pl.program_id(0), pl.program_id(1)
+    half = hd // 2
+    freqs = pos_ref[t].astype(jnp.float32) * inv_ref[...]
+    fac = fac_ref[0]
+    cos, sin = jnp.cos(freqs) * fac, jnp.sin(freqs) * fac
+
+    def rot(col):
+        x1 = qkv_ref[t, pl.ds(col, half)].astype(jnp.float32)
+        x2 = qkv_ref[t, pl.ds(col + half, half)].astype(jnp.float32)
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    @pl.when(j < H)
+    def _():
+        a, b = rot(j * hd)
+        q_ref[t, j, pl.ds(0, half)] = a.astype(q_ref.dtype)
+        q_ref[t, j, pl.ds(half, half)] = b.astype(q_ref.dtype)
+
+    @pl.when(j >= H)
+    def _():
+        h = j - H
+        a, b = rot((H + h) * hd)
+        layer = layer_ref[0]
+        slot = slot_ref[t]
+        blk, off = slot // BS, slot % BS
+        k_ref[layer, blk, off, h, pl.ds(0, half)] = a.astype(k_ref.dtype)
+        k_ref[layer, blk, off, h, pl.ds(half, half)] = b.astype(k_ref.dtype)
+        v = qkv_ref[t, pl.ds((H + KV + h) * hd, hd)]
+        v_ref[layer, blk, off, h, pl.ds(0, hd)] = v.astype(v_ref.dtype)
+
+
+def rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots, *,
+                  num_heads, num_kv_heads, head_dim, num_warps: int | None = None,
+                  interpret: bool | None = None):
+    """Same contract as reference.rope_write_kv."""
+    if interpret is None:
+        interpret = _on_cpu()
+    T = qkv.shape[0]
+    H, KV, hd = num_heads, num_kv_heads, head_dim
+    BS = k_cache.shape[2]
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), positions.astype(jnp.int32), slots.astype(jnp.int32),
+            jnp.asarray(inv_freq, jnp.float32), jnp.asarray(attn_factor, jnp.float32).reshape(1), qkv,
+            k_cache, v_cache)
+    full = pl.BlockSpec()
+    q, k_cache, v_cache = pl.pallas_call(
+        functools.partial(_kernel, H=H, KV=KV, hd=hd, BS=BS),
+        grid=(T, H + KV),
+        in_specs=[full] * len(args),
+        out_specs=[full, full, full],
+        out_shape=[jax.ShapeDtypeStruct((T, H, hd), qkv.dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={6: 1, 7: 2},
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(num_warps or 1, 1),
+        name=f"rope_write_kv_h{H}_kv{KV}_d{hd}",
+    )(*args)
+    return q, k_cache, v_cache

@@ -1,0 +1,30 @@
+"""The jnp oracle of the fused RoPE + K/V cache write."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxserve.kernels.paged_attention.reference import write_kv
+
+
+def apply_rope(x, positions, inv_freq, attn_factor):
+    """Rotate-half RoPE (HF layout). x [T, N, hd]; inv_freq [hd/2]."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = (jnp.cos(emb) * attn_factor)[:, None, :]
+    sin = (jnp.sin(emb) * attn_factor)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rot * sin).astype(x.dtype)
+
+
+def rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots, *,
+                  num_heads, num_kv_heads, head_dim):
+    T = qkv.shape[0]
+    H, KV, hd = num_heads, num_kv_heads, head_dim
+    q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
+    q = apply_rope(q.reshape(T, H, hd), positions, inv_freq, attn_factor)
+    k = apply_rope(k.reshape(T, KV, hd), positions, inv_freq, attn_factor)
+    k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v.reshape(T, KV, hd), slots)
+    return q, k_cache, v_cache

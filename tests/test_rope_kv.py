@@ -1,0 +1,66 @@
+"""Shared test base of the fused RoPE + K/V cache write: every implementation against the jnp oracle
+(the Pallas kernel runs in the interpreter on CPU; on the GPU in bench/kernels_gpu.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels import rope_kv
+from jaxserve.kernels.rope_kv import reference
+
+
+@pytest.mark.parametrize("impl", rope_kv.IMPLEMENTATIONS)
+@pytest.mark.parametrize("H,KV,hd", [(4, 2, 16), (3, 1, 64)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rope_write_kv_matches_oracle(impl, H, KV, hd, dtype):
+    rng = np.random.default_rng(H * hd)
+    dt = jnp.dtype(dtype)
+    T, L, NB, BS = 5, 3, 9, 4
+    qkv = jnp.asarray(rng.standard_normal((T, (H + 2 * KV) * hd)), dt)
+    positions = jnp.asarray([0, 7, 130, 4095, 3], jnp.int32)
+    slots = jnp.asarray(rng.permutation(NB * BS)[:T], jnp.int32)  # distinct slots
+    inv_freq = jnp.asarray(1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd)), jnp.float32)
+    k_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, hd)), dt)
+    v_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, hd)), dt)
+    kw = dict(num_heads=H, num_kv_heads=KV, head_dim=hd)
+    want = reference.rope_write_kv(qkv, positions, inv_freq, 1.25, k_cache, v_cache, 1, slots, **kw)
+    fn = jax.jit(lambda *a: rope_kv.get(impl)(*a, **kw), donate_argnums=(4, 5))
+    got = fn(qkv, positions, inv_freq, jnp.float32(1.25), jnp.array(k_cache), jnp.array(v_cache),
+             jnp.int32(1), slots)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+    # Only the T slots of layer 1 changed.
+    changed = np.any(np.asarray(got[1] != k_cache), axis=(3, 4))
+    assert changed.sum() <= T and not changed[[0, 2]].any()
+
+
+def test_model_with_fused_rope_kv_is_the_same_function():
+    """The decoder with the Pallas kernel (interpreted) = the decoder's own jnp path."""
+    import functools
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.kernels.rope_kv import pallas_triton
+    from jaxserve.loader.materialize import random_weights
+    from jaxserve.models import transformer as tf
+
+    cfg = ModelConfig(arch="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+    w = tf.fuse_projections(tf.unstack_layers(random_weights(cfg, jnp.float32, jax.random.PRNGKey(0), 0.2)))
+    consts = {k: jnp.asarray(v) for k, v in tf.layer_constants(cfg).items()}
+    T, BS = 6, 4
+    shape = (cfg.num_layers, 8, BS, cfg.num_kv_heads, cfg.head_dim)
+    batch = {"token_ids": jnp.asarray([5, 17, 250, 3, 99, 42], jnp.int32),
+             "positions": jnp.arange(T, dtype=jnp.int32), "token_seq": jnp.zeros(T, jnp.int32),
+             "slots": jnp.arange(T, dtype=jnp.int32) + BS, "block_tables": jnp.asarray([[1, 2, 0], [0, 0, 0]])}
+    outs = []
+    for rk in (None, functools.partial(pallas_triton.rope_write_kv, interpret=True)):
+        kv = (jnp.zeros(shape), jnp.zeros(shape))
+        h, kv = jax.jit(lambda w, kv: tf.forward_hidden(cfg, w, consts, kv, batch, scan_layers=False,
+                                                        rope_kv=rk))(w, kv)
+        outs.append((h, kv))
+    np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(outs[1][1], outs[0][1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
