@@ -239,7 +239,7 @@ class LLMEngine:
             # against a small probe cache and read its memory analysis before sizing the KV cache.
             probe = ModelRunner(lm.cfg, ecfg, lm.weights, 2, attention=attention, mesh=lm.mesh,
                                 rules=lm.rules)
-            probe.compile(("mixed", max(ecfg.token_buckets), True))
+            probe.compile(("mixed", max(ecfg.token_buckets)))
             reserved = probe.max_temp_bytes()
             lm.weights = probe.weights  # the runner may have re-laid them out (per-layer arrays)
             del probe

@@ -175,8 +175,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ programs
     def program_keys(self) -> list[tuple]:
         keys = [("decode", s) for s in self.ecfg.seq_buckets]
-        for t in self.ecfg.token_buckets:
-            keys += [("mixed", t, False), ("mixed", t, True)]
+        keys += [("mixed", t) for t in self.ecfg.token_buckets]
         return keys
 
     def _fn(self, key):
@@ -188,7 +187,7 @@ class ModelRunner:
             f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps, **common)
         else:
             common["attention"] = (self.attention, self.attention_tiled)
-            f = partial(step_mod.mixed_step, self.cfg, prompt_lp=key[2], **common)
+            f = partial(step_mod.mixed_step, self.cfg, **common)
         return jax.jit(f, donate_argnums=(2,))
 
     def _abstract_inputs(self, key) -> dict:
@@ -270,8 +269,8 @@ class ModelRunner:
             token_seq=np.full(T, S, np.int32), is_prompt=np.zeros(T, bool),
             count_output=np.zeros(T, bool), reset=np.zeros(S, bool),
             sample_idx=np.zeros(S, np.int32), sample_pos=np.zeros(S, np.int32))
-        if key[2]:
-            base["target_ids"] = np.zeros(T, np.int32)
+        base["target_ids"] = np.zeros(T, np.int32)
+        base["want_plp"] = np.bool_(False)
         return base
 
     def _is_decode(self, sched: SchedulerOutput) -> bool:
@@ -287,7 +286,7 @@ class ModelRunner:
             key = ("decode", self._bucket(self.ecfg.seq_buckets, n))
         else:
             chunk_len = sum(-(-s.num_new // Q) * Q for s in items if s.num_new > 1)
-            key = ("mixed", self._bucket(self.ecfg.token_buckets, max(chunk_len, 1)), want_plp)
+            key = ("mixed", self._bucket(self.ecfg.token_buckets, max(chunk_len, 1)))
         inp = self._empty_inputs(key)
         S = inp["rows"].shape[0]
         params, seeds = [], []
@@ -309,6 +308,7 @@ class ModelRunner:
                 inp["positions"][i] = s.start
             inp["num_steps"] = np.int32(sched.decode_steps)
             return key, inp, list(range(len(items)))
+        inp["want_plp"] = np.bool_(want_plp)
         # Layout: single-token items in slots [0, S) (one slot per item index), prompt chunks from
         # S on, each starting on a query tile so a tile never mixes sequences.
         nxt_chunk = S
@@ -338,7 +338,7 @@ class ModelRunner:
             inp["reset"][i] = s.reset_row
             inp["sample_idx"][i] = t + s.num_new - 1
             inp["sample_pos"][i] = s.start + s.num_new
-            if key[2]:
+            if want_plp:
                 nxt = seq.all_token_ids[s.start + 1:s.start + s.num_new + 1]
                 inp["target_ids"][t:t + len(nxt)] = nxt
         return key, inp, offsets
@@ -351,6 +351,8 @@ class ModelRunner:
         if self.mesh is not None:
             inp = jax.device_put(inp, self._replicated)
         self.state, out = exe(self.consts, self.weights, self.state, inp)
+        if not inp.get("want_plp", False):  # prompt log-prob outputs are zeros: never copy them
+            out = {k: v for k, v in out.items() if not k.startswith("prompt_")}
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()
         for s in sched.scheduled:

@@ -2,7 +2,8 @@
 
 Two program families, each compiled once per bucket at start-up:
   * mixed(T tokens, S seqs): any mix of prompt chunks, recomputes and decodes; samples one token per
-    sequence; optionally (prompt_lp) the log-probabilities of every input token's successor.
+    sequence; and, when a request asks (inp["want_plp"]), the log-probabilities of every input
+    token's successor.
   * decode(S seqs): up to K decode steps in an on-device loop (trip count is an input, <= K), feeding
     each sampled token back; the host reads all K tokens afterwards and drops those after a stop.
 Device state (donated every step): the paged K/V caches and, per persistent batch row, the output
@@ -52,7 +53,7 @@ def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_
 
 
 def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-               prompt_lp, block_size, logits_sharding=None, add_norm=None, rope_kv=None):
+               block_size, logits_sharding=None, add_norm=None, rope_kv=None):
     R = state["out_counts"].shape[0] - 1
     # Fresh rows: clear their penalty state before counting this step's tokens into them.
     reset_rows = jnp.where(inp["reset"], inp["rows"], R)
@@ -76,14 +77,25 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], inp["samples"],
                          inp["sample_pos"], inp["st"], num_top, logits_sharding)
     out = {k: v[None] for k, v in out.items()}  # [K=1, S, ...] like the decode program
-    if prompt_lp:
+    # Prompt log-probabilities (score, echo) cost a [T, V] pass: computed only when a request in the
+    # step asked (lax.cond), so one program per token bucket serves both kinds of step.
+    T = hidden.shape[0]
+
+    def prompt_lp():
         logits = tf.logits_from_hidden(cfg, weights, hidden)
         if logits_sharding is not None:
             logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
         lp = jax.nn.log_softmax(logits, axis=-1)
-        out["prompt_logprob"] = jnp.take_along_axis(lp, inp["target_ids"][:, None], axis=1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(lp, num_top) if num_top else (lp[:, :0], lp[:, :0].astype(jnp.int32))
-        out["prompt_top_ids"], out["prompt_top_logprobs"] = top_ids.astype(jnp.int32), top_lp
+        chosen = jnp.take_along_axis(lp, inp["target_ids"][:, None], axis=1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, num_top) if num_top else (lp[:, :0], lp[:, :0])
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def none():
+        return (jnp.zeros((T,), jnp.float32), jnp.zeros((T, num_top), jnp.int32),
+                jnp.zeros((T, num_top), jnp.float32))
+
+    out["prompt_logprob"], out["prompt_top_ids"], out["prompt_top_logprobs"] = jax.lax.cond(
+        inp["want_plp"], prompt_lp, none)
     return state, out
 
 

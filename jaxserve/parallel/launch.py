@@ -56,7 +56,7 @@ def _agreed_config(lm, ecfg: EngineConfig, attention) -> EngineConfig:
     reserved = 0
     if not (ecfg.num_blocks or ecfg.kv_mem_mb) and jax.devices()[0].platform != "cpu":
         probe = ModelRunner(lm.cfg, ecfg, lm.weights, 2, attention=attention, mesh=lm.mesh, rules=lm.rules)
-        probe.compile(("mixed", max(ecfg.token_buckets), True))
+        probe.compile(("mixed", max(ecfg.token_buckets)))
         reserved = probe.max_temp_bytes()
         lm.weights = probe.weights
         del probe
