@@ -1,6 +1,8 @@
 """HTTP load client for `jaxserve run` (or any OpenAI-compatible server).
 
     python bench/serve.py --url http://127.0.0.1:2000 --concurrency 1,16 --input-len 128 --output-len 64
+    python bench/serve.py --random-weights --config llama-3.1-8b --concurrency 1,32,256 \
+        --server-args "--max-num-seqs 256"     # starts `jaxserve run --model random:llama-3.1-8b` itself
 
 For each concurrency N: N workers send streaming /v1/completions requests back to back (random
 token-id prompts of exactly --input-len tokens, --output-len tokens each with ignore_eos) until
@@ -146,10 +148,26 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--random-weights", action="store_true",
+                   help="start a server on a random-weight model (--config) instead of using --url")
+    p.add_argument("--config", default="llama-3.1-8b", help="model preset for --random-weights")
+    p.add_argument("--server-args", default="", help="extra `jaxserve run` flags for --random-weights")
     a = p.parse_args(argv)
-    a.url = a.url.rstrip("/")
     a.concurrency = [int(x) for x in a.concurrency.split(",") if x.strip()]
-    res = asyncio.run(main_async(a))
+    if a.random_weights:
+        import os
+        import shlex
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from bench.startup import launched_server
+
+        with launched_server(f"random:{a.config}", None, shlex.split(a.server_args), 900) as (url, dt, _):
+            print(f"# server on random:{a.config} healthy after {dt:.1f}s", flush=True)
+            a.url = url
+            res = asyncio.run(main_async(a))
+    else:
+        a.url = a.url.rstrip("/")
+        res = asyncio.run(main_async(a))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "api_key"}, "results": res}, f, indent=2)

@@ -11,6 +11,7 @@ healthy. Prints seconds to healthy and the server's own "ready in" line (load + 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -32,19 +33,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_once(model: str, cache_dir: str, extra: list[str], timeout: float) -> tuple[float, str]:
+@contextlib.contextmanager
+def launched_server(model: str, cache_dir: str | None, extra: list[str], timeout: float):
+    """Start `jaxserve run --model MODEL` on a free port; yield (url, seconds until /health was 200,
+    a function returning the server's log so far); stop it (SIGINT) on exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--model", model, "--port", str(port),
-           "--compile-cache-dir", cache_dir, *extra]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--model", model, "--port", str(port), *extra]
+    if cache_dir:
+        cmd += ["--compile-cache-dir", cache_dir]
     t0 = time.perf_counter()
     log = tempfile.TemporaryFile("w+")
+
+    def read_log() -> str:
+        log.seek(0)
+        return log.read()
+
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         while True:
             if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{read_log()[-3000:]}")
             if time.perf_counter() - t0 > timeout:
                 raise TimeoutError(f"not healthy after {timeout}s")
             try:
@@ -54,15 +63,19 @@ def start_once(model: str, cache_dir: str, extra: list[str], timeout: float) -> 
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(0.1)
-        dt = time.perf_counter() - t0
+        yield f"http://127.0.0.1:{port}", time.perf_counter() - t0, read_log
     finally:
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    log.seek(0)
-    ready = [ln.strip() for ln in log.read().splitlines() if "ready in" in ln or "compiled" in ln]
+
+
+def start_once(model: str, cache_dir: str, extra: list[str], timeout: float) -> tuple[float, str]:
+    with launched_server(model, cache_dir, extra, timeout) as (_, dt, read_log):
+        pass
+    ready = [ln.strip() for ln in read_log().splitlines() if "ready in" in ln or "compiled" in ln]
     return dt, " / ".join(ready)[-400:]
 
 
