@@ -59,7 +59,7 @@ class ModelSource:
     tokenizer_dir: Path | None = None  # holds the tokenizer files (None: built from metadata)
     model_dir: Path | None = None
     gguf_readers: Any = None  # the opened GGUF files (kind "gguf")
-    prequantized: str | None = None  # ISQ format a jaxserve checkpoint's matmul weights already have
+    prequantized: str | None = None  # ISQ format / HF quant method the matmul weights already have
 
 
 def open_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
@@ -100,12 +100,15 @@ def open_model(model: str | None, *, file: str | None = None, weights_file: str 
         import json
 
         from jaxserve.loader.hf_config import model_config_from_dir
+        from jaxserve.loader.hf_quant import quant_config_from_dir
         from jaxserve.loader.safetensors_loader import iter_safetensors_tensors
 
         cfg = model_config_from_dir(res.model_dir, yarn_scaling_factor=yarn_scaling_factor)
         yarn_scaling_factor = None  # applied by the HF config mapping
+        scheme = quant_config_from_dir(res.model_dir)  # GPTQ/AWQ/FP8/MXFP4/NVFP4 checkpoints
+        prequantized = scheme.method if scheme else None
         tok = Tokenizer.from_dir(res.tokenizer_dir or res.model_dir)
-        tensors = lambda c: iter_safetensors_tensors(res.model_dir, c, files=res.paths)
+        tensors = lambda c: iter_safetensors_tensors(res.model_dir, c, files=res.paths, packed=packed, quant=scheme)
         gen = res.model_dir / "generation_config.json"
         if gen.exists():
             gen_defaults = json.loads(gen.read_text())

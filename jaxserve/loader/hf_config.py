@@ -4,6 +4,9 @@ Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3 (multimodal:
 gemma3_text. Fields missing from the file take transformers' class defaults for that model type, because
 HF configs on the Hub (notably Gemma 3's `text_config`) omit fields equal to those defaults.
 
+A `quantization_config` is checked here (jaxserve/loader/hf_quant.py reads it; an unsupported method
+is a ConfigError naming it).
+
 Sliding windows follow transformers' convention: a query at position q sees keys k with
 q - sliding_window < k <= q (the window counts the query itself).
 """
@@ -170,6 +173,9 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
     `yarn_scaling_factor` (CLI `--yarn-scaling-factor`) replaces the rope scaling with YaRN of that factor over
     the config's max_position_embeddings and extends max_position_embeddings by the factor.
     """
+    from jaxserve.loader.hf_quant import parse_quant_config
+
+    parse_quant_config(config_dict.get("quantization_config"))  # an unreadable quantization fails here
     mtype, raw = _text_config(config_dict)
     d = dict(_DEFAULTS[mtype])
     d.update(raw)  # an explicit null in the file stays null (e.g. softcapping disabled)

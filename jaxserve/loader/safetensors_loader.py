@@ -10,7 +10,9 @@ Yielded arrays:
   * linear weights and embeddings keep the file's dtype (float32, float16 or ml_dtypes.bfloat16) and are
     read-only views of the map (linear weights transposed to [in, out], i.e. not C-contiguous) — the consumer
     converts to its target dtype, which is the one copy made;
-  * RMSNorm weights are float32 (small; Gemma's 1 + w is added in float32 as transformers does).
+  * RMSNorm weights are float32 (small; Gemma's 1 + w is added in float32 as transformers does);
+  * quantized linears (GPTQ, AWQ, block-wise FP8, MXFP4, NVFP4: see hf_quant.py) come as QWeights when
+    `packed`, else dequantized exactly to float32 [in, out].
 """
 
 from __future__ import annotations
@@ -195,24 +197,40 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=disable, leave=False)
 
 
-def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig,
-                             files: list[str | Path] | None = None) -> Iterator[CanonicalTensor]:
+def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: list[str | Path] | None = None,
+                             packed: bool = False, quant="auto") -> Iterator[CanonicalTensor]:
     """Yield (canonical name, layer | None, array) for every weight of the checkpoint in `model_dir`.
 
     Tensors come in file order (sequential reads). Linear weights are transposed to [in, out]; Gemma norm
     weights get + 1. Dtypes: see the module docstring. Vision-tower tensors are skipped, as is lm_head
     when the embeddings are tied. Completeness is not checked here: pass the stream through
     `weights.iter_checked` (materialize does). `files`: explicit safetensors files (default: the directory's
-    checkpoint, see checkpoint_files).
+    checkpoint, see checkpoint_files). `quant`: the checkpoint's hf_quant.QuantScheme (None: not quantized;
+    "auto": read from the directory); its quantized linears come as QWeights with `packed`, else float32.
     """
+    from jaxserve.loader import hf_quant
+
     files = [Path(f) for f in files] if files else checkpoint_files(model_dir)
     headers = [(p, *read_header(p)) for p in files]
+    scheme = hf_quant.quant_config_from_dir(model_dir) if quant == "auto" else quant
+    where = {name: (path, start, info) for path, start, header in headers for name, info in header.items()}
+    modules, skip = hf_quant.plan_modules(where, scheme) if scheme else ({}, set())
+    primary = {ps[scheme.primary]: mod for mod, ps in modules.items()}
+    skip |= {n for ps in modules.values() for n in ps.values()} - primary.keys()  # read with their primary
+    skip |= _zero_biases(modules, where, cfg)
     total = sum(info["data_offsets"][1] - info["data_offsets"][0] for _, _, h in headers for info in h.values())
     gemma = _is_gemma(cfg)
     with _progress(total, f"loading {Path(model_dir).name}") as bar:
         for path, data_start, header in headers:
             for hf_name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 nbytes = info["data_offsets"][1] - info["data_offsets"][0]
+                if hf_name in skip:
+                    bar.update(nbytes)
+                    continue
+                if hf_name in primary:
+                    yield from _quantized(primary[hf_name], modules[primary[hf_name]], where, scheme, cfg, packed)
+                    bar.update(nbytes)
+                    continue
                 target = canonical_name(hf_name, cfg)
                 if target is None:
                     bar.update(nbytes)
@@ -230,3 +248,47 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig,
                 yield canon, layer, arr
                 del arr
                 bar.update(nbytes)
+
+
+def _zero_biases(modules: dict, where: dict, cfg: ModelConfig) -> set[str]:
+    """Biases of quantized modules that the model does not have: AutoGPTQ-style quantizers store a
+    zero bias for every quantized linear. Zero ones are skipped; any other is an error."""
+    from jaxserve.loader import hf_quant
+
+    out = set()
+    for mod in modules:
+        name = mod + ".bias"
+        if name not in where:
+            continue
+        try:
+            canonical_name(name, cfg)
+            continue  # a bias the model has (Qwen2 q/k/v): loaded as usual
+        except SafetensorsError:
+            pass
+        path, start, info = where[name]
+        if np.any(_map_tensor(path, start, name, info, hf_quant.READ_DTYPES) != 0):
+            raise SafetensorsError(f"tensor {name!r} ({info['dtype']} {info['shape']}): a nonzero bias that "
+                                   f"this {cfg.arch} model does not have")
+        out.add(name)
+    return out
+
+
+def _quantized(mod: str, parts: dict[str, str], where: dict, scheme, cfg: ModelConfig, packed: bool):
+    """The canonical tensor of one quantized module (nothing for a tied LM head)."""
+    from jaxserve.loader import hf_quant
+    from jaxserve.quant.qweight import dequantize
+
+    target = canonical_name(mod + ".weight", cfg)
+    if target is None:
+        return
+    canon, layer, kind = target
+    if kind != "linear":
+        raise SafetensorsError(f"tensor {parts[scheme.primary]!r}: a quantized {kind} ({canon}) is not supported")
+    K, N = weight_specs(cfg)[canon].shape[-2:]
+    mapped = {}
+    for part, name in parts.items():
+        path, start, info = where[name]
+        mapped[part] = (name, info["dtype"], _map_tensor(path, start, name, info, hf_quant.READ_DTYPES))
+    qw = hf_quant.convert(scheme, mapped, K, N)
+    del mapped
+    yield canon, layer, (qw if packed else np.asarray(dequantize(qw), np.float32))

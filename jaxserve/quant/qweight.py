@@ -22,6 +22,17 @@ Leaves (row dim = rows of K after padding to Kp, column dim = N):
   dmin, mn o = -(dmin * mn) (Q4_K/Q5_K; mn uint8); offset kind 'nib': o = -(dmin * (sc >> 4)) and
            s = d * (sc & 15) with both 4-bit factors in one byte (Q2_K)
   zero     per-group integer zero point, uint8 [Kp / group, N]: w = s * (code - zero)    (GPTQ/AWQ)
+  gscale   per-tensor f32 multiplier [] of the whole weight (NVFP4's second-level scale)
+
+Float codes (meta.code, for FP8/FP4 checkpoints): a code is the bit pattern of a small float instead of
+an integer: 'e4m3' (8-bit float8_e4m3fn) or 'e2m1' (4-bit float4_e2m1fn), w = s * value(code), no
+offset. Scales may be stored as bit patterns too (meta.scale_kind): 'e8m0' (uint8 power-of-two
+exponent, OCP MX) or 'e4m3' (uint8 float8_e4m3fn bits, NVFP4); 'float' is the leaf's own float
+dtype. Decoding is bit arithmetic (`minifloat`), exact, and the same in the reference and the kernel:
+  FP8 block-wise  bits (8,) code e4m3, group 128, f32 scale (the [128, 128] block scale repeated over
+                  its 128 columns)                                                   8.25 bits/weight
+  MXFP4           bits (4,) code e2m1, group 32, scale e8m0                          4.25
+  NVFP4           bits (4,) code e2m1, group 16, scale e4m3, gscale                  4.5
 
 Bits per weight (codes + scales; native GGUF in brackets; plus K padding where K is not a multiple
 of slab * 8 / min(bits)):
@@ -44,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 OFFSET_KINDS = ("none", "direct", "min", "nib", "zero")
+CODE_KINDS = {"int": None, "e4m3": (4, 3, 7), "e2m1": (2, 1, 1)}  # float codes: (exp bits, mantissa bits, bias)
+SCALE_KINDS = ("float", "e8m0", "e4m3")
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,9 @@ class QMeta:
     N: int
     Kp: int  # padded rows (multiple of `step` and of `group`)
     slab: int
+    code: str = "int"  # one of CODE_KINDS
+    scale_kind: str = "float"  # one of SCALE_KINDS
+    gscale: bool = False  # has the per-tensor 'gscale' leaf
 
     @property
     def step(self) -> int:
@@ -108,6 +124,8 @@ def leaf_names(meta: QMeta) -> tuple[str, ...]:
     names += ["d", "sc"] if meta.super_group else ["scale"]
     names += {"none": [], "direct": ["offset"], "min": ["dmin", "mn"], "nib": ["dmin"],
               "zero": ["zero"]}[meta.offset]
+    if meta.gscale:
+        names.append("gscale")
     return tuple(names)
 
 
@@ -184,9 +202,11 @@ def padded_k(K: int, bits: tuple[int, ...], group: int, slab: int) -> int:
 
 
 def make_meta(fmt: str, K: int, N: int, *, bits=None, zp=None, group=None, super_group=None,
-              offset=None, slab: int | None = None) -> QMeta:
+              offset=None, slab: int | None = None, code: str = "int", scale_kind: str = "float",
+              gscale: bool = False) -> QMeta:
     """Metadata of a [K, N] weight in format `fmt` (a FORMATS name, or any name with every field
-    given, e.g. a GPTQ 'int4_g128' with bits=(4,), group=128, offset='zero'). group=0: whole K."""
+    given, e.g. a GPTQ 'int4_g128' with bits=(4,), group=128, offset='zero'). group=0: whole K.
+    code / scale_kind / gscale: float codes and scales (see the module docstring)."""
     spec = FORMATS.get(fmt)
     if spec is None and bits is None:
         raise ValueError(f"unknown quantized format {fmt!r}; known: {', '.join(FORMATS)}")
@@ -201,6 +221,15 @@ def make_meta(fmt: str, K: int, N: int, *, bits=None, zp=None, group=None, super
         raise ValueError(f"unsupported plane widths {bits}")
     if offset not in OFFSET_KINDS:
         raise ValueError(f"unknown offset kind {offset!r}")
+    if code not in CODE_KINDS or scale_kind not in SCALE_KINDS:
+        raise ValueError(f"unknown code kind {code!r} or scale kind {scale_kind!r}")
+    if code != "int":
+        ebits, mbits, _ = CODE_KINDS[code]
+        if bits != (1 + ebits + mbits,) or offset != "none":
+            raise ValueError(f"{code} codes are {1 + ebits + mbits}-bit, one plane, without offset")
+        zp = 0
+    if (scale_kind != "float" or gscale) and super_group:
+        raise ValueError("bit-pattern scales and gscale need direct (one-level) scales")
     group, super_group = int(group or 0), int(super_group or 0)
     s = choose_slab(K, bits, group, slab)
     Kp = padded_k(K, bits, group, s)
@@ -212,7 +241,7 @@ def make_meta(fmt: str, K: int, N: int, *, bits=None, zp=None, group=None, super
     if super_group and super_group % g:
         raise ValueError(f"super_group {super_group} is not a multiple of group {g}")
     return QMeta(fmt=fmt, bits=bits, zp=int(zp or 0), group=g, super_group=super_group, offset=offset,
-                 K=int(K), N=int(N), Kp=Kp, slab=s)
+                 K=int(K), N=int(N), Kp=Kp, slab=s, code=code, scale_kind=scale_kind, gscale=bool(gscale))
 
 
 def pack_plane(codes: np.ndarray, b: int, slab: int) -> np.ndarray:
@@ -246,6 +275,9 @@ def build(meta: QMeta, codes: np.ndarray, **parts: np.ndarray) -> QWeight:
     for name in leaf_names(meta)[len(meta.bits):]:
         if name not in parts:
             raise ValueError(f"{meta.fmt}: missing component {name!r}")
+        if name == "gscale":
+            arrays[name] = np.asarray(parts[name], np.float32).reshape(())
+            continue
         rows = meta.n_super if name in ("d", "dmin") else meta.n_groups
         arrays[name] = _pad_rows(np.asarray(parts[name]), rows)
     return QWeight(meta, arrays)
@@ -284,6 +316,28 @@ def _rep(a, n: int, rows: int):
     return jnp.repeat(a, n, axis=-2, total_repeat_length=a.shape[-2] * n)[..., :rows, :]
 
 
+def minifloat(c, kind: str):
+    """f32 value of the float codes c (int32 bit patterns) of CODE_KINDS `kind`. Pure bit arithmetic
+    (the Pallas kernel uses it too): the magnitude bits land in an f32 whose exponent is rebiased;
+    subnormal codes (exponent 0) come out as 2v - 2^(1 - bias), exact. NaN codes are refused at load."""
+    ebits, mbits, bias = CODE_KINDS[kind]
+    mag = c & ((1 << (ebits + mbits)) - 1)
+    v = jax.lax.bitcast_convert_type((mag << (23 - mbits)) + ((127 - bias) << 23), jnp.float32)
+    v = jnp.where((mag >> mbits) == 0, v * 2 - jnp.float32(2.0 ** (1 - bias)), v)
+    return jnp.where(((c >> (ebits + mbits)) & 1) == 1, -v, v)
+
+
+def decode_scale(a, kind: str):
+    """Stored scales -> f32: the leaf's float dtype, or uint8 bit patterns (SCALE_KINDS)."""
+    if kind == "float":
+        return a.astype(jnp.float32)
+    e = a.astype(jnp.int32)
+    if kind == "e4m3":
+        return minifloat(e, "e4m3")
+    # e8m0: 2^(e - 127); e = 0 is the subnormal 2^-127 (e = 255, NaN, is refused at load)
+    return jax.lax.bitcast_convert_type(jnp.where(e == 0, 1 << 22, e << 23), jnp.float32)
+
+
 def group_factors(qw: QWeight):
     """(s, o, zero) per group, f32 [..., Kp / group, N] (o, zero may be None): the exact products
     ggml forms (d * sc, dmin * mn)."""
@@ -304,7 +358,7 @@ def group_factors(qw: QWeight):
                 dmin = _rep(jnp.asarray(a["dmin"]).astype(f32), m.super_group // m.group, G)
                 o = -(dmin * jnp.asarray(a["mn"]).astype(f32))
     else:
-        s = jnp.asarray(a["scale"]).astype(f32)
+        s = decode_scale(jnp.asarray(a["scale"]), m.scale_kind)
         if m.offset == "direct":
             o = jnp.asarray(a["offset"]).astype(f32)
     if m.offset == "zero":
@@ -317,13 +371,17 @@ def dequantize(qw: QWeight):
     m = qw.meta
     c = codes(qw)
     s, o, zero = group_factors(qw)
-    if zero is not None:
-        q = c - _rep(zero, m.group, m.Kp)
+    if m.code != "int":
+        q = minifloat(c, m.code)
+    elif zero is not None:
+        q = (c - _rep(zero, m.group, m.Kp)).astype(jnp.float32)
     else:
-        q = c - m.zp if m.zp else c
-    w = _rep(s, m.group, m.Kp) * q.astype(jnp.float32)
+        q = (c - m.zp if m.zp else c).astype(jnp.float32)
+    w = _rep(s, m.group, m.Kp) * q
     if o is not None:
         w = w + _rep(o, m.group, m.Kp)
+    if m.gscale:  # after the exact s * q: the one rounding of (q * s) * g
+        w = w * jnp.asarray(qw.arrays["gscale"], jnp.float32)[..., None, None]
     return w[..., :m.K, :]
 
 
