@@ -38,7 +38,8 @@ def launched_server(model: str, cache_dir: str | None, extra: list[str], timeout
     """Start `jaxserve run --model MODEL` on a free port; yield (url, seconds until /health was 200,
     a function returning the server's log so far); stop it (SIGINT) on exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--model", model, "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "jaxserve.cli", "run", *(["--model", model] if model else []),
+           "--port", str(port), *extra]
     if cache_dir:
         cmd += ["--compile-cache-dir", cache_dir]
     t0 = time.perf_counter()
