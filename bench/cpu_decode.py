@@ -28,9 +28,10 @@ def llama_cpp(path: str, n: int, threads: int) -> float:
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_batch=64, verbose=False, seed=0)
+    no_eos = {int(t): -1e4 for t in {llm.token_eos(), 0, 2} if t is not None and t >= 0}  # = ignore_eos
     llm.create_completion(PROMPT, max_tokens=4, temperature=0.0)  # warm
     times = []
-    for chunk in llm.create_completion(PROMPT, max_tokens=n, temperature=0.0, stream=True):
+    for chunk in llm.create_completion(PROMPT, max_tokens=n, temperature=0.0, stream=True, logit_bias=no_eos):
         times.append(time.perf_counter())
     return (len(times) - 1) / (times[-1] - times[0])
 
