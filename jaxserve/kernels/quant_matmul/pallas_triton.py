@@ -22,7 +22,9 @@ and then
               in-kernel dots ~5x. Only taken for large M, so a decode loop (where XLA could hoist a
               loop-invariant dequantize) never uses it.
 Codes become floats by OR-ing them into the mantissa of 2**23 (no int->float conversion, which runs
-on a slow pipe on NVIDIA GPUs).
+on a slow pipe on NVIDIA GPUs). Float codes (FP8 e4m3, FP4 e2m1) and bit-pattern scales (e8m0, e4m3)
+are decoded by the same bit arithmetic as the reference (qweight.minifloat); their values are exact
+in bf16, so 'dot' still sees the true weights. A per-tensor gscale (NVFP4) multiplies the output.
 
 Split-K (decode: few output tiles, long K) writes f32 partials [splits, Mp, Np] summed in jnp.
 Tunables (static): block_m, block_n, block_k (rows per loop iteration, a multiple of the step),
@@ -40,7 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.quant.qweight import QMeta, QWeight, dequantize, leaf_names
+from jaxserve.kernels.quant_matmul import pallas_gemv
+from jaxserve.quant.qweight import QMeta, QWeight, decode_scale, dequantize, leaf_names, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 
@@ -118,7 +121,7 @@ def _step(refs, layer, x_ref, r0, acc, *, meta: QMeta, m0, bm, cols, mode, wdt):
                 if meta.offset == "min":
                     o = -(refs["dmin"][layer, sg, cols].astype(f32) * refs["mn"][layer, g, cols].astype(f32))
         else:
-            s = refs["scale"][layer, g, cols].astype(f32)
+            s = decode_scale(refs["scale"][layer, g, cols], meta.scale_kind)
             if meta.offset == "direct":
                 o = refs["offset"][layer, g, cols].astype(f32)
         if meta.offset == "zero":
@@ -139,7 +142,8 @@ def _step(refs, layer, x_ref, r0, acc, *, meta: QMeta, m0, bm, cols, mode, wdt):
             code = v if code is None else code | (v << shift)
             shift += b
         s, o, z = group(t)
-        q = _code_f32(code, z, meta.zp)  # exact small integers
+        # exact small integers, or the float codes' exact values
+        q = _code_f32(code, z, meta.zp) if meta.code == "int" else minifloat(code, meta.code)
         R = r0 + t * S
         if mode == "dot":
             xs = x_ref[pl.ds(m0, bm), pl.ds(R, S)]
@@ -185,7 +189,7 @@ def _kernel(layer_ref, x_ref, *refs, names, meta, bm, bn, N, u, per, nblk, mode,
 
 
 def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, splits=None, mode=None,
-         num_warps=None, xla_min_m: int = 512):
+         num_warps=None, xla_min_m: int = 512, reduce=None, rows=None, prefetch=None):
     """The static launch plan (mode, tile sizes, unroll, split count, warps) for [M, K] @ [K, N].
 
     Defaults from H200 sweeps (Llama-8B gate 4096x14336, q4k / q8_0, bf16 x): M <= 2 'fma' with
@@ -195,10 +199,13 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
     small-group in-kernel dots; bf16 GEMM 336 us).
     """
     mode = mode or ("fma" if M <= 2 else "xla" if M >= xla_min_m else "dot")
-    if mode not in ("dot", "fma", "xla"):
+    if mode not in ("dot", "fma", "xla", "gemv"):
         raise ValueError(f"unknown mode {mode!r}")
     if mode == "xla":
         return dict(mode=mode)
+    if mode == "gemv":  # decode GEMV kernel of pallas_gemv.py
+        return pallas_gemv.plan(meta, M, block_n=block_n, block_k=block_k, splits=splits,
+                                num_warps=num_warps, reduce=reduce, rows=rows, prefetch=prefetch)
     if mode == "fma":
         if M > 8:
             raise ValueError(f"mode 'fma' is for M <= 8 rows, got {M}")
@@ -230,7 +237,8 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
 
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=None, splits=None,
-            mode=None, num_warps=None, num_stages=None, interpret=None, xla_min_m: int = 512):
+            mode=None, num_warps=None, num_stages=None, interpret=None, xla_min_m: int = 512, reduce=None,
+            rows=None, prefetch=None):
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype. See the module docstring.
 
     qw: a QWeight [K, N], or stacked [L, K, N] with `layer` (an int or traced int32 scalar): the
@@ -245,11 +253,16 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
         raise ValueError(f"x has K={K}, the weight {meta.K}")
     names = leaf_names(meta)
     leaves = [jnp.asarray(qw.arrays[n]) for n in names]
+    gscale = None
+    if meta.gscale:  # not a kernel input: one multiply of the output
+        gscale = leaves.pop(names.index("gscale"))
+        names = tuple(n for n in names if n != "gscale")
     batch = qw.batch_shape
     if not batch:
         if layer is not None:
             raise ValueError("layer= given for an unstacked QWeight")
         leaves = [a[None] for a in leaves]  # a free reshape: the kernel always indexes a layer
+        gscale = None if gscale is None else gscale[None]
         layer = 0
     elif len(batch) != 1 or layer is None:
         raise ValueError(f"QWeight stacked {batch}: pass layer= (one stacked dim supported)")
@@ -258,15 +271,22 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     p = plan(meta, M, block_m=block_m, block_n=block_n, block_k=block_k, splits=splits, mode=mode,
-             num_warps=num_warps, xla_min_m=xla_min_m)
+             num_warps=num_warps, xla_min_m=xla_min_m, reduce=reduce, rows=rows, prefetch=prefetch)
+    if p["mode"] == "gemv":
+        y = pallas_gemv.run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
+                            compiler_params=None if interpret else _compiler_params(p["num_warps"], num_stages or 2))
+        if gscale is not None:
+            y = y.astype(jnp.float32) * gscale[layer[0]].astype(jnp.float32)
+        return y[:, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
     if p["mode"] == "xla":  # prefill: one dequantized copy of this layer's weight, then the GEMM
-        w = dequantize(jax.tree.map(lambda a: a[layer[0]], QWeight(meta, dict(zip(names, leaves)))))
+        arrays = dict(zip(names, leaves), **({} if gscale is None else {"gscale": gscale}))
+        w = dequantize(jax.tree.map(lambda a: a[layer[0]], QWeight(meta, arrays)))
         y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32)
         return y.astype(x.dtype).reshape(*lead, meta.N)
     bm, bn, Mp, Np, splits = p["bm"], p["bn"], p["Mp"], p["Np"], p["splits"]
     wdt = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     xp = jnp.pad(x2.astype(wdt), ((0, Mp - M), (0, meta.Kp - K)))
-    out_dtype = jnp.float32 if splits > 1 else x.dtype
+    out_dtype = jnp.float32 if splits > 1 or gscale is not None else x.dtype
 
     kernel = functools.partial(_kernel, names=names, meta=meta, bm=bm, bn=bn, N=meta.N, u=p["u"],
                                per=p["per"], nblk=p["nblk"], mode=p["mode"], wdt=wdt,
@@ -283,4 +303,6 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
         name=f"qmatmul_{meta.fmt}_{p['mode']}_m{bm}_n{bn}_k{p['u'] * meta.step}_s{splits}",
     )(layer, xp, *leaves)
     y = out[0] if splits == 1 else jnp.sum(out, axis=0)
+    if gscale is not None:
+        y = y.astype(jnp.float32) * gscale[layer[0]].astype(jnp.float32)
     return y[:M, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
