@@ -1,20 +1,24 @@
 """Quantized matmul on the GPU: check the Pallas kernel against the reference, then time it. One call.
 
     python3 bench/quant_gpu.py [--small] [--json PATH] [--only check|time|all] [--formats q4k,q8_0]
+                               [--modes auto,fma,gemv] [--ms 1,4,32] [--sweep all|none|gemv,...]
 
 Imports only jax, numpy and jaxserve (no gguf). Weights: Llama-3.1-8B shapes (q 4096x4096,
 gate/up 4096x14336, down 14336x4096), random Gaussian, quantized by jaxserve.quant.isq into q4k,
 q4_0, q8_0, q6k (a [K, 1024] slice is quantized on the host and tiled along N: random data, so the
 content does not matter, and it keeps host time to seconds).
 
-1. Correctness: bf16 activations, M in {1, 32}; oracle = x (f32) @ dequantize(W) at 'highest'
+1. Correctness: bf16 activations, M in {1, 4, 32}, every mode of --modes that takes the M ('auto' =
+   the plan's default; 'fma' M <= 8, 'gemv' M <= 16); oracle = x (f32) @ dequantize(W) at 'highest'
    precision. Printed: ||y - ref|| / ||ref|| (bf16 output: expect ~3e-3), and whether finite.
 2. Timing: one jitted program runs `--calls` matmuls in a fori_loop (a data dependence through x
    keeps XLA from hoisting the loop-invariant call); each call uses another copy of the weight,
    selected by a traced layer index on a stacked [L, ...] QWeight, with L copies spanning >= 512 MB
    so the 60 MB L2 does not serve them. Median of --reps runs. Printed per call: microseconds,
    effective GB/s (packed weight bytes / time), TFLOP/s, and the same for a bf16 jnp.dot of the
-   shape (weights in a tuple of separate arrays, python-unrolled: no slicing copies).
+   shape (weights in a tuple of separate arrays, python-unrolled: no slicing copies). Every mode of
+   --modes is timed; on the gate shape q4k and q8_0 also run the tunable sweep (SWEEP; --sweep picks
+   the entries of some modes, e.g. 'gemv', or 'none'), whose labels name the tunables given.
 A table is printed last; --json PATH also writes every row (after every row: partial results
 survive a timeout). --small: tiny shapes and the Pallas interpreter, to check the script on CPU.
 """
@@ -45,13 +49,27 @@ from jaxserve.quant.qweight import QWeight, dequantize, with_meta  # noqa: E402
 FORMATS = ("q4k", "q4_0", "q8_0", "q6k")
 SHAPES = {"q 4096x4096": (4096, 4096), "gate/up 4096x14336": (4096, 14336), "down 14336x4096": (14336, 4096)}
 SMALL_SHAPES = {"small 512x256": (512, 256), "small 1024x128": (1024, 128)}
-MS = (1, 32, 2048)
-SMALL_MS = (1, 32, 64)
+MS = (1, 4, 32, 2048)
+SMALL_MS = (1, 4, 32, 64)
+MODES = ("auto", "fma", "gemv")  # 'auto': the plan's default mode for the M
+MODE_MAX_M = {"fma": 8, "gemv": 16}
 
 # Tunable sweeps (timed on the gate/up shape for q4k and q8_0 only, to bound the compile count).
 SWEEP = {
     1: [dict(mode="dot"), dict(block_n=64), dict(block_n=256, num_warps=4), dict(num_warps=4),
-        dict(splits="half"), dict(splits="double"), dict(block_k=512), dict(block_k=128), dict(num_stages=3)],
+        dict(splits="half"), dict(splits="double"), dict(block_k=512), dict(block_k=128), dict(num_stages=3),
+        # decode GEMV (pallas_gemv.py): columns per thread = block_n / (32 * num_warps)
+        dict(mode="gemv", splits="half"), dict(mode="gemv", splits="double"),
+        dict(mode="gemv", splits="quad"),
+        dict(mode="gemv", block_n=1024), dict(mode="gemv", block_n=256),
+        dict(mode="gemv", num_warps=4, block_n=1024), dict(mode="gemv", num_warps=1, block_n=256),
+        dict(mode="gemv", block_n=1024, splits="half", rows=16),
+        dict(mode="gemv", rows=8), dict(mode="gemv", rows=16), dict(mode="gemv", prefetch=0),
+        dict(mode="gemv", prefetch=0, splits="quad"),
+        dict(mode="gemv", reduce="atomic"), dict(mode="gemv", reduce="atomic", splits="double")],
+    4: [dict(mode="gemv", splits="half"), dict(mode="gemv", splits="double"), dict(mode="gemv", block_n=1024),
+        dict(mode="gemv", rows=8), dict(mode="gemv", reduce="atomic"), dict(mode="gemv", prefetch=0),
+        dict(mode="dot", splits="double")],
     32: [dict(block_n=128, num_warps=8), dict(splits="half"), dict(splits="double"), dict(num_stages=3),
          dict(block_k=256)],
     2048: [dict(mode="dot", block_k=256), dict(mode="dot", block_m=128, block_n=128, num_warps=8)],
@@ -88,20 +106,35 @@ def rel_err(got, want):
 
 
 # ------------------------------------------------------------------------------------------ checks
-def run_checks(formats, shapes, small, interpret):
+def _mode_ok(mode, M):
+    return M <= MODE_MAX_M.get(mode, M)
+
+
+def _mode_kw(mode):
+    return {} if mode == "auto" else dict(mode=mode)
+
+
+def _modes_for(meta, M, modes):
+    """The modes of --modes that take M; 'auto' dropped where the plan picks a mode listed too."""
+    out = [m for m in modes if _mode_ok(m, M)]
+    if "auto" in out and pt.plan(meta, M)["mode"] in out:
+        out.remove("auto")
+    return out
+
+
+def run_checks(formats, shapes, small, interpret, modes):
     print("\n== correctness (bf16 x, vs f32 x @ dequantize(W) at 'highest') ==", flush=True)
-    variants = [("pallas", {}), ("pallas fma", dict(mode="fma"))]
     for fmt in formats:
         for sname, (K, N) in shapes.items():
             qw = jax.device_put(make_weight(fmt, K, N))
             w32 = jax.jit(dequantize)(qw)
-            for M in (1, 32):
+            for M in (1, 4, 32):
                 x = jax.random.normal(jax.random.PRNGKey(M), (M, K), jnp.bfloat16)
                 with jax.default_matmul_precision("highest"):
                     want = jnp.dot(x.astype(jnp.float32), w32)
-                for label, kw in [("reference", None)] + variants:
-                    if kw and kw.get("mode") == "fma" and M > 8:
-                        continue
+                variants = [("reference", None)] + [(_label(_mode_kw(m)), _mode_kw(m))
+                                                    for m in _modes_for(qw.meta, M, modes)]
+                for label, kw in variants:
                     try:
                         if kw is None:
                             got = jax.jit(ref.qmatmul)(x, qw)
@@ -109,7 +142,7 @@ def run_checks(formats, shapes, small, interpret):
                             got = jax.jit(lambda x, q, kw=kw: pt.qmatmul(x, q, interpret=interpret, **kw))(x, qw)
                         err, finite = rel_err(got, want)
                         ok = finite and err < 1e-2
-                        print(f"{fmt:5s} {sname:20s} M={M:<4d} {label:12s} rel err {err:.2e} "
+                        print(f"{fmt:5s} {sname:20s} M={M:<4d} {label:16s} rel err {err:.2e} "
                               f"{'OK' if ok else 'FAIL'}", flush=True)
                         emit(dict(kind="check", fmt=fmt, shape=sname, M=M, impl=label, rel_err=err,
                                   finite=finite, ok=ok))
@@ -147,12 +180,14 @@ def dense_loop(calls):
     return jax.jit(f)
 
 
-def _resolve(kw, auto_splits):
+def _resolve(kw, meta, M):
+    """Relative split counts ('half', 'double', 'quad') -> numbers, from the mode's own plan."""
     kw = dict(kw)
-    if kw.get("splits") == "half":
-        kw["splits"] = max(1, auto_splits // 2)
-    elif kw.get("splits") == "double":
-        kw["splits"] = auto_splits * 2
+    rel = {"half": 0.5, "double": 2, "quad": 4}.get(kw.get("splits"))
+    if rel:
+        base = {k: v for k, v in kw.items() if k not in ("splits", "num_stages")}
+        auto = pt.plan(meta, M, **base).get("splits", 1)
+        kw["splits"] = max(1, int(auto * rel))
     return kw
 
 
@@ -160,7 +195,8 @@ def _label(kw):
     return "pallas" + "".join(f" {k}={v}" for k, v in kw.items())
 
 
-def run_timing(formats, shapes, ms, small, interpret, reps, calls):
+def run_timing(formats, shapes, ms, small, interpret, reps, calls, modes, sweep):
+    """sweep: None = every SWEEP entry, else the set of modes whose entries run (empty: none)."""
     print(f"\n== timing: us per call ({calls} calls per program, median of {reps}) ==", flush=True)
     target = 64e6 if small else 512e6
     sweep_shape = list(shapes)[1] if len(shapes) > 1 else list(shapes)[0]
@@ -174,11 +210,11 @@ def run_timing(formats, shapes, ms, small, interpret, reps, calls):
             for M in ms:
                 flops = 2 * M * K * N
                 x = jax.random.normal(jax.random.PRNGKey(0), (M, K), jnp.bfloat16)
-                auto = pt.plan(base.meta, M).get("splits", 1)
-                variants = [{}]
-                if sname == sweep_shape and fmt in ("q4k", "q8_0"):
-                    variants += [_resolve(kw, auto) for kw in SWEEP.get(M, [])
-                                 if not (kw.get("mode") == "fma" and M > 8)]
+                variants = [_mode_kw(m) for m in _modes_for(base.meta, M, modes)]
+                if sweep != set() and sname == sweep_shape and fmt in ("q4k", "q8_0"):
+                    variants += [_resolve(kw, base.meta, M) for kw in SWEEP.get(M, [])
+                                 if _mode_ok(kw.get("mode", "auto"), M)
+                                 and (sweep is None or kw.get("mode", "auto") in sweep)]
                 impls = [(_label(kw), lambda x, q, layer, kw=kw: pt.qmatmul(x, q, layer=layer, interpret=interpret, **kw))
                          for kw in variants]
                 if fmt == "q4k" and M != 2048 or small:
@@ -188,7 +224,7 @@ def run_timing(formats, shapes, ms, small, interpret, reps, calls):
                         t = bench(q_loop(fn, calls, L), (x, qs), reps) / calls
                         row = dict(kind="time", fmt=fmt, shape=sname, M=M, impl=label, us=t * 1e6,
                                    gb_s=wbytes / t / 1e9, tflops=flops / t / 1e12, bytes=wbytes, L=L)
-                        print(f"{fmt:5s} {sname:20s} M={M:<5d} {label:44s} {t * 1e6:9.1f} us "
+                        print(f"{fmt:5s} {sname:20s} M={M:<5d} {label:56s} {t * 1e6:9.1f} us "
                               f"{wbytes / t / 1e9:7.0f} GB/s {flops / t / 1e12:7.1f} TFLOP/s", flush=True)
                     except Exception as e:
                         row = dict(kind="time", fmt=fmt, shape=sname, M=M, impl=label,
@@ -202,7 +238,7 @@ def run_timing(formats, shapes, ms, small, interpret, reps, calls):
                     ws = tuple(jax.random.normal(jax.random.PRNGKey(i), (K, N), jnp.bfloat16) for i in range(Ld))
                     try:
                         t = bench(dense_loop(calls), (x, ws), reps) / calls
-                        print(f"bf16  {sname:20s} M={M:<5d} {'jnp.dot bf16':44s} {t * 1e6:9.1f} us "
+                        print(f"bf16  {sname:20s} M={M:<5d} {'jnp.dot bf16':56s} {t * 1e6:9.1f} us "
                               f"{dbytes / t / 1e9:7.0f} GB/s {flops / t / 1e12:7.1f} TFLOP/s", flush=True)
                         emit(dict(kind="time", fmt="bf16", shape=sname, M=M, impl="jnp.dot bf16",
                                   us=t * 1e6, gb_s=dbytes / t / 1e9, tflops=flops / t / 1e12, bytes=dbytes, L=Ld))
@@ -235,7 +271,11 @@ def main():
     ap.add_argument("--only", default="all", choices=["all", "check", "time"])
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--shapes", default=None, help="comma-separated subset of: " + ", ".join(SHAPES))
-    ap.add_argument("--ms", default=None, help="comma-separated M values (default 1,32,2048)")
+    ap.add_argument("--ms", default=None, help="comma-separated M values (default 1,4,32,2048)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="kernel modes to check and time: auto (the plan's default), fma, dot, gemv, xla")
+    ap.add_argument("--sweep", default="all",
+                    help="tunable sweep on the gate shape: all, none, or the modes whose entries run (gemv,dot,fma)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--json", default=None)
@@ -246,6 +286,7 @@ def main():
     print(f"# jax {jax.__version__} on {dev.device_kind} ({dev.platform}){' interpret' if interpret else ''}",
           flush=True)
     formats = [f for f in args.formats.split(",") if f]
+    modes = [m for m in args.modes.split(",") if m]
     shapes = SMALL_SHAPES if args.small else SHAPES
     if args.shapes:
         shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
@@ -254,9 +295,10 @@ def main():
     t0 = time.time()
     try:
         if args.only in ("all", "check"):
-            run_checks(formats, shapes, args.small, interpret)
+            run_checks(formats, shapes, args.small, interpret, modes)
         if args.only in ("all", "time"):
-            run_timing(formats, shapes, ms, args.small, interpret, reps, calls)
+            sweep = None if args.sweep == "all" else set(args.sweep.split(",")) - {"none"}
+            run_timing(formats, shapes, ms, args.small, interpret, reps, calls, modes, sweep)
     except Exception:
         traceback.print_exc()
     summary(_rows)

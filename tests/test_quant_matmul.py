@@ -2,7 +2,8 @@
 
 On CPU the Pallas Triton-backend kernel runs in the Pallas interpreter (each case compiles an
 interpreted program: ~0.5 s, so shapes stay small); `bench/quant_gpu.py` checks it on the GPU at
-Llama-8B shapes in bf16.
+Llama-8B shapes in bf16. "pallas_gemv" is the same entry point in mode 'gemv' (the decode GEMV of
+pallas_gemv.py, M <= 16).
 """
 
 import functools
@@ -13,11 +14,12 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels import quant_matmul
+from jaxserve.kernels.quant_matmul import pallas_gemv
 from jaxserve.kernels.quant_matmul import pallas_triton as pt
 from jaxserve.kernels.quant_matmul import reference as ref
 from jaxserve.quant import isq
 from jaxserve.quant.gguf_pack import pack_gguf
-from jaxserve.quant.qweight import dequantize, stack
+from jaxserve.quant.qweight import build, dequantize, make_meta, stack
 
 
 def _jit(fn, **fixed):
@@ -34,7 +36,9 @@ def _jit(fn, **fixed):
 IMPLS = {
     "reference": _jit(ref.qmatmul),
     "pallas_triton": _jit(pt.qmatmul, interpret=True),
+    "pallas_gemv": _jit(pt.qmatmul, interpret=True, mode="gemv", rows=4),  # rows=4: a small interpreted body
 }
+MAX_M = {"pallas_gemv": pallas_gemv.MAX_M}
 K, N = 576, 96  # K: padded for the 1-bit-plane formats (step 128); N: not a multiple of block_n=64
 
 
@@ -66,6 +70,8 @@ FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5, 33])
 def test_matches_dequant_oracle(impl, fmt, M):
+    if M > MAX_M.get(impl, M):
+        pytest.skip(f"{impl} takes M <= {MAX_M[impl]}")
     qw = _weight(fmt)
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
     _check(IMPLS[impl](x, qw), _oracle(x, qw))
@@ -76,6 +82,48 @@ def test_fma_mode(fmt, M):
     qw = _weight(fmt)
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
     _check(pt.qmatmul(x, qw, mode="fma", interpret=True), _oracle(x, qw))
+
+
+@pytest.mark.parametrize("fmt,M,tun", [
+    # N in 3 tiles, chunked rows, 2 steps per iteration
+    ("q4k", 2, dict(block_n=32, num_warps=1, splits=1, rows=4, block_k=128)),
+    ("q5k", 1, dict(block_n=64, splits=2, rows=32)),  # 1-bit plane: 8 slots per byte, unrolled slab
+    ("q8_0", 3, dict(reduce="atomic", block_n=64)),  # split-K partials added atomically
+    ("int8", 2, dict(splits=3)),  # one group for the whole K: the group spans many steps
+], ids=str)
+def test_gemv_tunables(fmt, M, tun):
+    if fmt == "int8":
+        w = np.random.default_rng(2).standard_normal((320, 64))
+        qw = jax.device_put(isq.quantize(w, "int8", group_size=0))
+    else:
+        qw = _weight(fmt)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, qw.meta.K)), jnp.float32)
+    p = pt.plan(qw.meta, M, mode="gemv", **{k: v for k, v in tun.items()})
+    assert p["mode"] == "gemv" and p["splits"] >= 1
+    _check(pt.qmatmul(x, qw, mode="gemv", interpret=True, **tun), _oracle(x, qw))
+
+
+def _float_code_weight(kind, K=256, N=64):
+    """Random valid FP8 block-wise / MXFP4 / NVFP4 weights built directly (codes and scales)."""
+    rng = np.random.default_rng(7)
+    if kind == "fp8":
+        meta = make_meta("fp8", K, N, bits=(8,), zp=0, group=128, super_group=0, offset="none", code="e4m3")
+        codes = rng.integers(0, 256, (K, N))
+        codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+        return build(meta, codes, scale=rng.uniform(0.5, 2, (K // 128, N)).astype(np.float32))
+    gs, sk = (32, "e8m0") if kind == "mxfp4" else (16, "e4m3")
+    meta = make_meta(kind, K, N, bits=(4,), zp=0, group=gs, super_group=0, offset="none", code="e2m1",
+                     scale_kind=sk, gscale=kind == "nvfp4")
+    scale = rng.integers(120, 130, (K // gs, N)) if sk == "e8m0" else rng.integers(0x20, 0x50, (K // gs, N))
+    parts = dict(scale=scale.astype(np.uint8), **({"gscale": np.float32(0.37)} if kind == "nvfp4" else {}))
+    return build(meta, rng.integers(0, 16, (K, N)), **parts)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4", "nvfp4"])
+def test_gemv_float_codes(kind):
+    qw = jax.device_put(_float_code_weight(kind))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, qw.meta.K)), jnp.float32)
+    _check(pt.qmatmul(x, qw, mode="gemv", interpret=True), _oracle(x, qw))
 
 
 @pytest.mark.parametrize("tun", [dict(block_n=16, block_k=256, splits=1),
@@ -94,7 +142,8 @@ def test_stacked_layers_by_index_and_scan(impl):
     x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 256)), jnp.float32)
     for layer in (0, 2):
         _check(IMPLS[impl](x, qs, layer), _oracle(x, qs, layer))
-    fn = ref.qmatmul if impl == "reference" else functools.partial(pt.qmatmul, interpret=True)
+    fn = ref.qmatmul if impl == "reference" else functools.partial(
+        pt.qmatmul, interpret=True, **({"mode": "gemv", "rows": 4} if impl == "pallas_gemv" else {}))
     ys = jax.jit(lambda x, qs: jax.lax.scan(lambda c, q: (c, fn(x, q)), 0, qs)[1])(x, qs)
     for i in range(3):
         _check(ys[i], _oracle(x, qs, i))
@@ -147,6 +196,8 @@ def test_registry_and_errors():
     assert quant_matmul.get("pallas_triton") is pt.qmatmul
     assert quant_matmul.default_for("gpu") == "pallas_triton"
     assert quant_matmul.default_for("cpu") == "reference"
+    with pytest.raises(ValueError, match="M <= 16"):
+        pt.plan(_weight("q4k").meta, 17, mode="gemv")
     with pytest.raises(ValueError):
         quant_matmul.get("cutlass")
     qs = _weight("q5k", k=256, n=64, layers=3)

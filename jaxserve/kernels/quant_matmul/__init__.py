@@ -2,7 +2,8 @@
 
   reference      dequantize (jnp) + one f32 dot: the CPU path and the oracle of the others
   pallas_triton  Pallas on the Triton backend (GPU): packed codes and scales are loaded and
-                 dequantized inside the kernel; runs on CPU in the Pallas interpreter (tests only)
+                 dequantized inside the kernel; runs on CPU in the Pallas interpreter (tests only).
+                 Its mode 'gemv' (pallas_gemv.py) is the decode GEMV for M <= 16.
 
 `get(name)` returns the implementation's `qmatmul(x, qw, *, layer=None, **tunables)`; kernels are
 imported lazily so importing this package stays light.

@@ -1,34 +1,41 @@
 """Decode GEMV (M <= 16 rows of x) with a packed QWeight, Pallas on the Triton backend: mode 'gemv'
 of pallas_triton.qmatmul (which does the argument handling and calls `run`).
 
-Why not the 2-D 'fma' kernel: compiled offline for sm_90 (Triton 3.9, see bench/quant_sass.py) its
-loop spends ~7 instructions per weight plus ~10 shared-memory round trips with barriers per iteration
-(the x slice and the [bn] scale vectors change layout between the [slab, bn] tile and its slices),
-and converts scale bytes with I2F (a quarter-rate pipe). On the H200 it moves 0.75 TB/s (q4k).
+Why not the 2-D 'fma' kernel: compiled offline for sm_90 (Triton 3.9, bench/quant_sass.py) its loop
+spends ~7.3 instructions per q4k weight plus ~10 shared-memory round trips with barriers per
+iteration (the x slice and the [bn] scale vectors change layout between the [slab, bn] tile and its
+slices), converts scale bytes with I2F (a quarter-rate pipe), and ptxas issues each load just before
+its use. On the H200 it moves 0.75 TB/s (q4k).
 
-This kernel is built so that nothing crosses threads:
+This kernel is built so that nothing crosses threads and loads run ahead of the arithmetic:
   * Every tensor is 1-D [bn]: one byte row of a plane across the program's columns. All values share
-    one layout (each thread owns bn / (32 * num_warps) contiguous columns: LDG.32/64/128 per row), so
-    there is no layout conversion, no shared memory and no reduction across threads; x values are
-    scalars (uniform loads that hit L1).
-  * Dequantization leaves the K loop: per group and column the kernel sums part = sum_k (code_k - zp)
-    * x_k in f32 (a code becomes an exact f32 by OR-ing it into the mantissa of 2**23: one LOP3 and
-    one FADD, no I2F) and applies the group factors once: acc += s * part + o * sum_k x_k, with the
-    per-group sums of x (`sx`, [M, Kp / min(group, step)]) formed outside the kernel. Per weight: an extract, a
-    LOP3, an FADD and one FFMA per row of x.
-  * k-quants: s = d * sc and o = -dmin * mn are formed once per (group, column) in registers, the
-    integer factor bytes converted by the same OR trick.
-  * One load of a byte row serves every slab of the step (both nibbles of a 4-bit plane, all eight
-    slots of a 1-bit plane).
+    one layout (each thread owns v = bn / (32 * num_warps) contiguous columns: LDG.32/64/128 per
+    row), so there is no layout conversion, no shared memory, no reduction across threads; x values
+    are scalars (uniform loads that hit L1).
+  * Dequantization leaves the K loop: per group and column the kernel sums part = sum_k code_k * x_k
+    in f32 and applies the group factors once: acc += s * part + (o - s * zp) * sum_k x_k, with the
+    sums of x per group (or per step, for groups longer than a step) formed outside the kernel.
+  * Codes become exact f32 without shifts or I2F (`_slots`): per byte A = byte | bits(2**23), and
+    slot c's value code_c * 2**(c * b) = f32(A with the bits below slot c cleared) - f32(A with the
+    bits below slot c + 1 cleared). One load of a byte row serves every slot (both nibbles of a
+    4-bit plane, all eight of a 1-bit plane); per 4-bit weight the SASS is ~1.5 integer ops, one FADD
+    and one FFMA per row of x (q4k M=1: 4.4 instructions per weight with all overheads).
+  * k-quants: s = d * sc and o = -dmin * mn are formed once per (group, column) in registers, their
+    integer bytes converted by the same OR trick; their loads are issued at the start of the step.
+  * Loads run one chunk ahead (prefetch): the rows of chunk j + 1 (`rows` byte rows of every plane
+    block, the next step's first chunk at a step's end) are loaded before chunk j is summed and carried
+    through the loop, so ~16-32 row loads per thread are in flight during the arithmetic.
   * Split-K over a grid axis keeps enough programs resident; partials [splits, M, Np] are summed by
-    XLA (reduce='sum', deterministic) or atomically added into a zeroed f32 output (reduce='atomic':
-    one kernel less, summation order not fixed).
+    XLA (reduce='sum', deterministic; the default split count keeps them under 1/8 of the weight's
+    bytes) or atomically added into a zeroed f32 output (reduce='atomic': one kernel less, the
+    summation order not fixed).
 GPTQ zero points (offset 'zero') fold into the offset: o = -s * zero. Float codes (e4m3/e2m1) use
-qweight.minifloat per weight (correct, not tuned). Exactness: products are f32, accumulation f32;
-the result differs from x @ dequantize(W) only by f32 summation order.
+qweight.minifloat per weight (correct, not tuned). Exactness: products are f32, accumulation f32; the
+result differs from x @ dequantize(W) only by f32 summation order (and the zp / offset folding).
 
-Tunables (static): block_n (columns per program, a power of two), num_warps, block_k (rows per loop
-iteration, a multiple of the step), splits, reduce; defaults in `plan`.
+Tunables (static): block_n (columns per program, a power of two), num_warps, block_k (rows per outer
+loop iteration, a multiple of the step), splits, rows (byte rows per chunk), prefetch, reduce;
+defaults in `plan`.
 """
 
 from __future__ import annotations
@@ -95,7 +102,7 @@ def plan(meta: QMeta, M: int, *, block_n=None, block_k=None, splits=None, num_wa
         splits = 1 if tiles >= target else _pow2(-(-target // tiles))
         if reduce == "sum":
             bits = meta.code_bits + 16 / meta.group  # + a 16-bit factor per group, roughly
-            cap = max(1, 1 << (int(meta.Kp * bits / (512 * M)).bit_length() - 1))
+            cap = 1 << (max(1, int(meta.Kp * bits / (512 * M))).bit_length() - 1)
             splits = min(splits, max(cap, _pow2(-(-NUM_SMS // tiles))))  # but >= 1 program per SM
     splits = max(1, min(int(splits), nblk))
     per = -(-nblk // splits)
@@ -252,7 +259,8 @@ def _step(refs, layer, x_ref, sx_ref, r0, acc, pre, *, meta: QMeta, M, cols, row
 
     # parts[(group key, slot of plane 0, m)]: sum over the group's rows of value * x, where the code
     # equals value * 2**-(slot * b0) (exact), so the scale is applied once per (group, column)
-    keys = sorted({(gkey(t), 0 if meta.code != "int" else t % (8 // b0), m) for t in range(T) for m in range(M)})
+    keys = sorted({(gkey(t), 0 if meta.code != "int" else t % (8 // b0), m)
+                   for t in range(T) for m in range(M)})
     load = functools.partial(_load_chunk, refs, layer, meta=meta, cols=cols)
     fold = functools.partial(_fold_chunk, x_ref=x_ref, r0=r0, meta=meta, M=M, gkey=gkey)
     nch = S // rows

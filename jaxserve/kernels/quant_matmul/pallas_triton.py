@@ -21,6 +21,10 @@ and then
               dtype by XLA and multiplied by the vendor GEMM; at M=2048 that beats small-group
               in-kernel dots ~5x. Only taken for large M, so a decode loop (where XLA could hoist a
               loop-invariant dequantize) never uses it.
+  mode 'gemv': (M <= 16) the decode GEMV of pallas_gemv.py: 1-D rows of W per thread, group factors
+              applied once per (group, column) after an f32 sum of code * x, loads issued a chunk
+              ahead; tunables also rows, prefetch, reduce (see there). The M <= DECODE_MAX_M default
+              is DECODE_MODE.
 Codes become floats by OR-ing them into the mantissa of 2**23 (no int->float conversion, which runs
 on a slow pipe on NVIDIA GPUs). Float codes (FP8 e4m3, FP4 e2m1) and bit-pattern scales (e8m0, e4m3)
 are decoded by the same bit arithmetic as the reference (qweight.minifloat); their values are exact
@@ -46,6 +50,10 @@ from jaxserve.kernels.quant_matmul import pallas_gemv
 from jaxserve.quant.qweight import QMeta, QWeight, decode_scale, dequantize, leaf_names, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
+# The kernel for M <= DECODE_MAX_M rows (decode). 'gemv' is the candidate (offline SASS: ~4.4 instead
+# of ~7.3 instructions per q4k weight, no barriers); switch to ("gemv", 4) once bench/quant_gpu.py
+# shows it winning on the GPU.
+DECODE_MODE, DECODE_MAX_M = "fma", 2
 
 
 def _pow2(n: int) -> int:
@@ -198,7 +206,7 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
     (M=32: q4k 82 us, q8_0 74 us); M >= xla_min_m 'xla' (prefill M=2048: 520 us vs 3.3 ms for
     small-group in-kernel dots; bf16 GEMM 336 us).
     """
-    mode = mode or ("fma" if M <= 2 else "xla" if M >= xla_min_m else "dot")
+    mode = mode or (DECODE_MODE if M <= DECODE_MAX_M else "xla" if M >= xla_min_m else "dot")
     if mode not in ("dot", "fma", "xla", "gemv"):
         raise ValueError(f"unknown mode {mode!r}")
     if mode == "xla":
@@ -273,8 +281,9 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     p = plan(meta, M, block_m=block_m, block_n=block_n, block_k=block_k, splits=splits, mode=mode,
              num_warps=num_warps, xla_min_m=xla_min_m, reduce=reduce, rows=rows, prefetch=prefetch)
     if p["mode"] == "gemv":
+        cp = None if interpret else _compiler_params(p["num_warps"], num_stages or 2)
         y = pallas_gemv.run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
-                            compiler_params=None if interpret else _compiler_params(p["num_warps"], num_stages or 2))
+                            compiler_params=cp)
         if gscale is not None:
             y = y.astype(jnp.float32) * gscale[layer[0]].astype(jnp.float32)
         return y[:, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
