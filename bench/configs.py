@@ -4,7 +4,6 @@ from jaxserve.models.presets import (  # noqa: F401  (re-exported for the bench 
     CONFIGS,
     kv_bytes_per_token,
     model_config,
-    weight_bytes_per_token,
 )
 
 

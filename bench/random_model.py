@@ -1,17 +1,9 @@
-"""A real-shaped model with random weights, built on the device, as a LoadedModel the engine takes
-(the same thing `--model random:NAME` loads; see jaxserve.engine.llm_engine.random_model)."""
+"""Random packed (quantized) weights of a real-shaped model, built on the device, for the benchmarks.
+(Dense random models: `--model random:NAME`, jaxserve.engine.llm_engine.random_model.)"""
 
 from __future__ import annotations
 
 import jax
-
-
-def random_loaded_model(config: str, dtype: str = "bfloat16", seed: int = 0):
-    from jaxserve.engine.llm_engine import random_model
-
-    lm = random_model(config, dtype=dtype, seed=seed)
-    jax.block_until_ready(lm.weights)
-    return lm
 
 
 def random_qweight(K: int, N: int, fmt: str, key):

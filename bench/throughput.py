@@ -74,10 +74,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     args = ap.parse_args(argv)
 
-    from bench.random_model import random_loaded_model
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm import LLM
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine, random_model
     from jaxserve.engine.runner import kv_bytes_per_block
     from jaxserve.engine.sampling_params import SamplingParams
 
@@ -86,7 +85,8 @@ def main(argv=None):
     print(f"# jax {jax.__version__} on {dev.device_kind}; {args.config} random {args.dtype}; chunk "
           f"{args.chunk}; K={args.decode_steps}; median of {args.runs}", flush=True)
     t = time.perf_counter()
-    lm = random_loaded_model(args.config, args.dtype)
+    lm = random_model(args.config, dtype=args.dtype)
+    jax.block_until_ready(lm.weights)
     print(f"# weights built in {time.perf_counter() - t:.1f}s", flush=True)
     max_n = max(n for n, _, _ in wls)
     max_len = max(i + o for _, i, o in wls) + 16

@@ -59,19 +59,6 @@ def model_config(name: str) -> ModelConfig:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(CONFIGS))}") from None
 
 
-def weight_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
-    """Weight bytes one decode step must read: every weight except the embedding table (a gather of
-    one row), but the table counts when it doubles as the LM head (tied embeddings)."""
-    from jaxserve.models.weights import weight_specs
-
-    total = 0
-    for name, spec in weight_specs(cfg).items():
-        if name == "embed" and not cfg.tie_word_embeddings:
-            continue
-        total += math.prod(spec.shape) * itemsize
-    return total
-
-
 def kv_bytes_per_token(cfg: ModelConfig, context: int, itemsize: int) -> int:
     """K and V bytes attention reads per decode step at `context` keys (sliding layers read at most
     their window)."""
