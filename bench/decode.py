@@ -153,6 +153,9 @@ def main(argv=None):
     ap.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s of the roofline")
     ap.add_argument("--quant", default="none",
                     help="comma list: none (bf16) or packed formats (q4k, q8_0, q4_0, ...) of random weights")
+    ap.add_argument("--qmm-decode", default=None,
+                    help="MODE:MAX_M[:REDUCE]: the quant matmul kernel used for M <= MAX_M rows (e.g. gemv:4; default: "
+                         "pallas_triton.DECODE_MODE/DECODE_MAX_M)")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
     ap.add_argument("--hlo-dir", default=None, help="write each variant's optimized decode program here")
     ap.add_argument("--profile", type=int, default=0,
@@ -169,6 +172,16 @@ def main(argv=None):
     print(f"# jax {jax.__version__} on {dev.device_kind} ({dev.platform}); config {args.config}; "
           f"K={args.steps} x {args.dispatches} dispatches, median of {args.runs}", flush=True)
     quants = args.quant.split(",")
+    if args.qmm_decode:
+        from jaxserve.kernels.quant_matmul import pallas_triton as qpt
+
+        from jaxserve.kernels.quant_matmul import pallas_gemv
+
+        mode, max_m, *reduce = args.qmm_decode.split(":")
+        qpt.DECODE_MODE, qpt.DECODE_MAX_M = mode, int(max_m)  # bench knob: what the default would become
+        if reduce:
+            pallas_gemv.DEFAULT_REDUCE = reduce[0]
+        print(f"# quant matmul decode kernel: {args.qmm_decode} for M <= {max_m}", flush=True)
     weights = None
     if "none" in quants:
         t = time.perf_counter()
