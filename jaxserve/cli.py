@@ -256,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     from jaxserve.loader.source import ModelNotFoundError
 
     if (getattr(args, "num_nodes", None) or 1) > 1:
+        from jaxserve.parallel import multihost
+
+        if args.node_rank > 0 and not os.environ.get(multihost.CHILD_ENV):
+            # A follower runs under a thin parent that reports its end in one line (see supervise).
+            return multihost.supervise(sys.argv[1:] if argv is None else list(argv), args.node_rank,
+                                       f"{args.master_addr}:{args.master_port}")
         # Before anything touches a JAX backend (engine_config_from_args looks at the devices).
         from jaxserve.parallel.launch import parse_device_ids
         from jaxserve.parallel.multihost import init_distributed

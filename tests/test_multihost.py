@@ -99,10 +99,11 @@ def test_http_served_through_rank0(model_dir, reference):
         _kill(server, follower)
 
 
-def _kill_rank(model_dir, victim: int):
-    """Start both ranks generating in a loop, SIGKILL `victim`, return (survivor's rc, stderr, seconds)."""
+def _kill_rank(model_dir, victim: int, follower_cli: bool = False):
+    """Start both ranks generating in a loop, SIGKILL `victim`, return (survivor's rc, stderr, seconds).
+    follower_cli: rank 1 is `jaxserve run --node-rank 1` (the CLI) instead of the offline LLM."""
     port = free_port()
-    follower = _worker(model_dir, "hold", 1, port)
+    follower = _cli(model_dir, "run", 1, port) if follower_cli else _worker(model_dir, "hold", 1, port)
     leader = _worker(model_dir, "hold", 0, port)
     survivor = follower if victim == 0 else leader
     try:
@@ -140,10 +141,11 @@ def test_unreachable_coordinator(model_dir):
 
 
 def test_dead_rank0_stops_follower(model_dir):
-    """When rank 0 (the coordinator) dies, the follower exits non-zero within seconds instead of
-    waiting for steps that will never come (today through jax.distributed's own fatal error)."""
-    rc, err, took = _kill_rank(model_dir, victim=0)
-    assert rc not in (0, None)
-    assert ("node rank 0 stopped responding" in err or "distributed service detected fatal errors" in err
-            or "coordinator" in err.lower()), err[-3000:]
+    """When rank 0 (the coordinator) dies, a `jaxserve` follower exits with status 1 within seconds, its
+    last line our one-line message, not jax.distributed's multi-line fatal abort."""
+    rc, err, took = _kill_rank(model_dir, victim=0, follower_cli=True)
+    assert rc == 1, (rc, err[-3000:])
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("jaxserve: error: ") and ("lost the coordinator" in last
+                                                     or "node rank 0 stopped responding" in last), err[-3000:]
     assert took < 20, took

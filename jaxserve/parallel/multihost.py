@@ -126,6 +126,49 @@ def init_distributed(num_nodes: int, node_rank: int, master_addr: str = "127.0.0
     return _CLUSTER
 
 
+CHILD_ENV = "JAXSERVE_RANK_CHILD"
+
+
+def supervise(argv: list[str], rank: int, address: str) -> int:
+    """Run this follower's command (`jaxserve ... --node-rank R`, R > 0) in a child process and relay
+    its output.
+
+    When rank 0 dies, jax.distributed's client in a follower notices first (its error poll fails as
+    soon as the coordinator's socket closes) and aborts the process with a multi-line fatal log; its
+    error callback cannot be replaced from Python (jaxlib 0.10 aborts converting the status). The thin
+    parent, which imports no JAX, turns that end into the same one-line message and status 1 as our
+    watchdog's."""
+    import signal
+    import subprocess
+
+    def child_setup():  # the child dies with its parent (Linux), and gets signals only through it
+        os.setpgrp()
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *argv], env=dict(os.environ, **{CHILD_ENV: "1"}),
+                            stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=child_setup)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    reported = jax_fatal = False
+    for line in proc.stderr:
+        reported |= line.startswith("jaxserve: error:")
+        jax_fatal |= "detected fatal errors" in line or "Polled an error from coordination service" in line
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    rc = proc.wait()
+    if rc == 0 or reported:
+        return rc if rc >= 0 else 1
+    why = ("jax.distributed reported a fatal error: node rank 0 died or is unreachable" if jax_fatal
+           else f"exit status {rc}" if rc > 0 else f"killed by signal {-rc}")
+    sys.stderr.write(f"jaxserve: error: lost the coordinator at {address} ({why}); rank {rank} exiting\n")
+    return 1
+
+
 def _reachable(host: str, port: int) -> bool:
     import socket
 
