@@ -205,13 +205,24 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         # The first block's residual is zero (x + 0 == x exactly): one carry structure for the scan.
         (x, resid, kv), _ = jax.lax.scan(body, (x, jnp.zeros_like(x), kv), (layers, consts))
     else:
+        # Python-unrolled layers, each a call of one jitted block: JAX traces and lowers the block (and
+        # its Pallas kernels) once per program instead of once per layer — that was most of the start-up
+        # time, and the compilation cache does not skip it. XLA inlines the calls, so the compiled
+        # program is the same. The layer's constants (index, window, RoPE table) are arguments.
+        static = {k: v for k, v in batch.items() if v is None or isinstance(v, int)}
+        arrays = {k: v for k, v in batch.items() if k not in static}
+
+        @jax.jit
+        def block(x, resid, w, c, kv, arrays):
+            return decoder_layer(cfg, x, w, c, kv, {**arrays, **static}, attention, resid, add_norm, rope_kv)
+
         resid = None
         for i in range(cfg.num_layers):
             # Per-layer arrays (see unstack_layers): slicing a stacked weight inside the on-device
             # decode loop makes XLA copy it every step.
             w = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
-            c = {k: (v[i] if k != "index" else i) for k, v in consts.items()}
-            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv)
+            c = {k: jnp.asarray(v[i]) for k, v in consts.items()}
+            x, resid, kv = block(x, resid, w, c, kv, arrays)
     return add_norm(x, resid, weights["final_norm"], cfg.rms_norm_eps)[1], kv
 
 
