@@ -195,10 +195,22 @@ class ModelRunner:
         sh = self._replicated if self.mesh is not None else None
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), inp)
 
-    def _lower(self, key):
+    def _abstract_args(self, key) -> tuple:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
-        return self._fn(key).lower(jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
-                                   jax.tree.map(spec, self.state), self._abstract_inputs(key))
+        return (jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
+                jax.tree.map(spec, self.state), self._abstract_inputs(key))
+
+    def _program_store(self):
+        """Where compiled programs are kept between starts (program_store.py): next to JAX's compilation
+        cache, when that is on; one process only (multi-host ranks compile together)."""
+        root = jax.config.jax_compilation_cache_dir
+        if not root or jax.process_count() > 1:
+            return None
+        from jaxserve.engine import program_store as ps
+
+        kernels = ps.stable_name((self.attention, self.attention_tiled, self.add_norm, self.rope_kv))
+        context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels, repr(self.mesh)))
+        return ps.ProgramStore(os.path.join(root, "jaxserve-programs"), context)
 
     def compile(self, key):
         if key in self._compiled:
@@ -206,7 +218,12 @@ class ModelRunner:
         if self._frozen:
             raise RecompileError(f"program {key} is not in the compiled set {self.program_keys()}")
         t0 = time.perf_counter()
-        exe = self._lower(key).compile()
+        store, args = self._program_store(), self._abstract_args(key)
+        exe = store.load(key, args) if store else None
+        if exe is None:
+            exe = self._fn(key).lower(*args).compile()
+            if store:
+                store.save(key, args, exe)
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[key] = exe
         return exe
@@ -216,23 +233,33 @@ class ModelRunner:
         compiles release the GIL, so they run in a thread pool (start-up time on many-core hosts)."""
         from concurrent.futures import ThreadPoolExecutor
 
+        t0 = time.perf_counter()
+        store = self._program_store()
+        loaded = 0
+        for k in self.program_keys():  # stored programs first: no tracing at all
+            if k not in self._compiled and store and (exe := store.load(k, self._abstract_args(k))) is not None:
+                self._compiled[k] = exe
+                loaded += 1
         keys = [k for k in self.program_keys() if k not in self._compiled]
         threads = threads or min(len(keys), max(1, (os.cpu_count() or 1) // 2), 8) or 1
-        t0 = time.perf_counter()
-        lowering = 0.0  # Python tracing + lowering: serial, and not skipped by the compilation cache
+        lowering = 0.0  # Python tracing + lowering: serial, and not skipped by JAX's compilation cache
         with ThreadPoolExecutor(threads) as pool:
             futures = []
             for k in keys:
                 t = time.perf_counter()
-                lowered = self._lower(k)
+                args = self._abstract_args(k)
+                lowered = self._fn(k).lower(*args)
                 lowering += time.perf_counter() - t
-                futures.append((k, pool.submit(lowered.compile)))
-            for k, f in futures:
+                futures.append((k, args, pool.submit(lowered.compile)))
+            for k, args, f in futures:
                 self._compiled[k] = f.result()
+                if store:
+                    store.save(k, args, self._compiled[k])
         self.compile_seconds += time.perf_counter() - t0
         self._frozen = True
-        log.info("compiled %d programs in %.1fs (%d threads; %.1fs of it tracing and lowering)",
-                 len(self._compiled), self.compile_seconds, threads, lowering)
+        log.info("%d programs ready in %.1fs: %d loaded from %s, %d compiled (%d threads; %.1fs of it "
+                 "tracing and lowering)", len(self._compiled), self.compile_seconds, loaded,
+                 store.root if store else "-", len(keys), threads, lowering)
 
     @property
     def num_compiled(self) -> int:
