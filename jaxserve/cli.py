@@ -59,6 +59,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps per dispatch when no sequence needs the host")
     e.add_argument("--scan-layers", choices=["auto", "on", "off"], default="auto")
     e.add_argument("--compile-cache-dir", default=None)
+    e.add_argument("--program-store", choices=["auto", "on", "off"], default="auto",
+                   help="keep compiled programs next to the compile cache so a warm start skips tracing "
+                        "(auto: on CPU only)")
     e.add_argument("--seed", type=int, default=None)
 
 
@@ -87,6 +90,8 @@ def engine_config_from_args(args):
         kw["prefill_chunk_size"] = 8192 if gpu else 256
     if args.disable_prefix_cache:
         kw["enable_prefix_cache"] = False
+    if getattr(args, "program_store", "auto") != "auto":
+        kw["program_store"] = args.program_store == "on"
     if args.scan_layers != "auto":
         kw["scan_layers"] = args.scan_layers == "on"
     if getattr(args, "isq", None):

@@ -199,6 +199,9 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = ()
     seq_buckets: tuple[int, ...] = ()
     compile_cache_dir: str | None = None  # None: ~/.cache/jaxserve/xla
+    # Keep compiled programs between starts (engine/program_store.py). None: on CPU only, where it
+    # measured faster; on an H200 loading them took longer than tracing + JAX's cache (bench/RESULTS.md).
+    program_store: bool | None = None
     max_logprobs: int = 20
     seed: int = 0
     packed_weights: bool | None = None  # keep quantized weights packed on the device; None: on a GPU

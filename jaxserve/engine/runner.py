@@ -204,7 +204,10 @@ class ModelRunner:
         """Where compiled programs are kept between starts (program_store.py): next to JAX's compilation
         cache, when that is on; one process only (multi-host ranks compile together)."""
         root = jax.config.jax_compilation_cache_dir
-        if not root or jax.process_count() > 1:
+        on = self.ecfg.program_store
+        if on is None:
+            on = jax.devices()[0].platform == "cpu"
+        if not on or not root or jax.process_count() > 1:
             return None
         from jaxserve.engine import program_store as ps
 
@@ -235,13 +238,17 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         store = self._program_store()
-        loaded = 0
-        for k in self.program_keys():  # stored programs first: no tracing at all
-            if k not in self._compiled and store and (exe := store.load(k, self._abstract_args(k))) is not None:
-                self._compiled[k] = exe
-                loaded += 1
         keys = [k for k in self.program_keys() if k not in self._compiled]
         threads = threads or min(len(keys), max(1, (os.cpu_count() or 1) // 2), 8) or 1
+        loaded = 0
+        if store:  # stored programs first, loaded in parallel: no tracing at all
+            with ThreadPoolExecutor(threads) as pool:
+                found = list(pool.map(lambda k: store.load(k, self._abstract_args(k)), keys))
+            for k, exe in zip(keys, found):
+                if exe is not None:
+                    self._compiled[k] = exe
+                    loaded += 1
+            keys = [k for k in keys if k not in self._compiled]
         lowering = 0.0  # Python tracing + lowering: serial, and not skipped by JAX's compilation cache
         with ThreadPoolExecutor(threads) as pool:
             futures = []
