@@ -1,11 +1,13 @@
 """CPU bs1 decode, side by side: jaxserve's server (streamed) vs llama-cpp-python, same GGUF, same machine.
 
-    python bench/cpu_decode.py [--scan-layers off,on] [--max-tokens 128] [--llama-cpp-path DIR]
+    python bench/cpu_decode.py [--scan-layers off,on] [--packed auto] [--max-tokens 128] [--llama-cpp-path DIR]
 
 Both decode greedily from the same prompt with EOS ignored; decode tok/s = tokens after the first
 streamed chunk / (time from the first chunk to the last), i.e. prefill excluded (a jaxserve chunk
 carries up to --decode-steps tokens: they are counted from its logprobs). llama-cpp-python is a benchmark-only
 dependency (`pip install llama-cpp-python`, ~10 minutes to build here); never needed by jaxserve.
+--packed: the server's `--packed` values to run (auto: the native quantized CPU kernel; off: weights
+dequantized to f32 at load, the CPU path before it).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def jaxserve_streamed(url: str, n: int) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scan-layers", default="off,on")
+    ap.add_argument("--packed", default="auto", help="comma-separated --packed values (auto, off)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--llama-cpp-path", default=None, help="sys.path entry holding llama_cpp")
@@ -70,13 +73,15 @@ def main(argv=None):
 
     gguf = str(ensure_smollm2())
     rows = []
-    for scan in args.scan_layers.split(","):
-        extra = ["--scan-layers", scan, "--max-num-seqs", "4", "--max-model-len", "1024"]
-        with launched_server("", None, extra, 900) as (url, dt, _):
-            jaxserve_streamed(url, 8)  # warm
-            r = [jaxserve_streamed(url, args.max_tokens) for _ in range(args.runs)]
-        rows.append(dict(engine=f"jaxserve run --scan-layers {scan}", tok_s=max(r), runs=r, startup_s=dt))
-        print(f"jaxserve (scan-layers {scan}): {r} tok/s; start-up {dt:.0f}s", flush=True)
+    for packed in args.packed.split(","):
+        for scan in args.scan_layers.split(","):
+            extra = ["--scan-layers", scan, "--packed", packed, "--max-num-seqs", "4", "--max-model-len", "1024"]
+            with launched_server("", None, extra, 900) as (url, dt, _):
+                jaxserve_streamed(url, 8)  # warm
+                r = [jaxserve_streamed(url, args.max_tokens) for _ in range(args.runs)]
+            name = f"jaxserve run --scan-layers {scan} --packed {packed}"
+            rows.append(dict(engine=name, tok_s=max(r), runs=r, startup_s=dt))
+            print(f"{name}: {r} tok/s; start-up {dt:.0f}s", flush=True)
     if args.llama_cpp_path:
         sys.path.append(args.llama_cpp_path)  # after ours: its bundled numpy must not shadow ours
     try:

@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -24,6 +25,29 @@ import jax
 log = logging.getLogger("jaxserve.programs")
 
 _PACKAGE = Path(__file__).resolve().parent.parent
+
+
+_tls = threading.local()
+_listener_lock = threading.Lock()
+_listening: list[bool] = []  # whether _on_event is registered (once per process)
+
+
+def _on_event(event: str, **_kw) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # recorded in the thread that compiles
+        _tls.hit = True
+
+
+def compile_noting_cache_hit(lowered):
+    """(lowered.compile(), whether JAX's persistent cache supplied it). An executable that came from
+    JAX's cache must not be stored again: re-serialized on CPU it lacks some of its functions and fails
+    when run ('NOT_FOUND: Function wrapped_iota not found', jax 0.10)."""
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_event)
+            _listening.append(True)
+    _tls.hit = False
+    exe = lowered.compile()
+    return exe, _tls.hit
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,6 +80,8 @@ def environment() -> str:
     devs = jax.devices()
     return repr((jax.__version__, jaxlib_version, devs[0].platform, devs[0].device_kind, [d.id for d in devs],
                  os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64,
+                 # jaxserve's own switches (e.g. JAXSERVE_CPU_ACT_BITS) can change a program, not its arguments
+                 sorted((k, v) for k, v in os.environ.items() if k.startswith("JAXSERVE_")),
                  str(jax.config.jax_default_matmul_precision)))
 
 

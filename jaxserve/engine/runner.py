@@ -224,8 +224,10 @@ class ModelRunner:
         store, args = self._program_store(), self._abstract_args(key)
         exe = store.load(key, args) if store else None
         if exe is None:
-            exe = self._fn(key).lower(*args).compile()
-            if store:
+            from jaxserve.engine.program_store import compile_noting_cache_hit
+
+            exe, from_cache = compile_noting_cache_hit(self._fn(key).lower(*args))
+            if store and not from_cache:
                 store.save(key, args, exe)
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[key] = exe
@@ -235,6 +237,8 @@ class ModelRunner:
         """Compile the whole closed set, then refuse anything else. Tracing is Python (serial); XLA's
         compiles release the GIL, so they run in a thread pool (start-up time on many-core hosts)."""
         from concurrent.futures import ThreadPoolExecutor
+
+        from jaxserve.engine.program_store import compile_noting_cache_hit
 
         t0 = time.perf_counter()
         store = self._program_store()
@@ -257,10 +261,10 @@ class ModelRunner:
                 args = self._abstract_args(k)
                 lowered = self._fn(k).lower(*args)
                 lowering += time.perf_counter() - t
-                futures.append((k, args, pool.submit(lowered.compile)))
+                futures.append((k, args, pool.submit(compile_noting_cache_hit, lowered)))
             for k, args, f in futures:
-                self._compiled[k] = f.result()
-                if store:
+                self._compiled[k], from_cache = f.result()
+                if store and not from_cache:
                     store.save(k, args, self._compiled[k])
         self.compile_seconds += time.perf_counter() - t0
         self._frozen = True

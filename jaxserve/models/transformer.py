@@ -20,6 +20,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.paged_attention import reference as attn_ref
+from jaxserve.kernels.quant_matmul import cpu_native
+from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
 from jaxserve.kernels.rms_norm.reference import add_rms_norm as _add_rms_norm_ref
 from jaxserve.kernels.rms_norm.reference import rms_norm  # noqa: F401  (the model's norm, re-exported)
 from jaxserve.kernels.rope_kv.reference import apply_rope
@@ -28,8 +30,13 @@ from jaxserve.quant.qweight import QWeight
 
 
 def linear(x, w):
-    """x [T, K] @ w [K, N]; w a dense array or a packed QWeight (quantized matmul kernel of this
-    platform: Pallas on GPU, dequantize + dot on CPU)."""
+    """x [T, K] @ w [K, N]; w a dense array, a packed QWeight (quantized matmul kernel of this
+    platform: Pallas on GPU, dequantize + dot elsewhere) or a CpuQWeight (the native CPU kernel,
+    kernels/quant_matmul/cpu_native)."""
+    if isinstance(w, CpuQWeight):
+        return cpu_native.qmatmul(x, w)
+    if isinstance(w, cpu_native.LayerOf):  # one layer of a stacked CpuQWeight, read in place
+        return cpu_native.qmatmul(x, w.weight, layer=w.index)
     if isinstance(w, QWeight):
         from jaxserve.kernels import quant_matmul
 
@@ -130,14 +137,16 @@ def unstack_layers(weights) -> dict:
 
 
 def _free(a) -> None:
-    for leaf in jax.tree.leaves(a):  # a QWeight frees every packed leaf
+    for leaf in jax.tree.leaves(a):  # a (Cpu)QWeight frees every packed leaf
         leaf.delete() if hasattr(leaf, "delete") else None
 
 
 def _concat_out(srcs):
     """Concatenate weights along the output axis N; None when they cannot be (mixed packed formats:
     a Q4_K_M file keeps some layers' v in Q6_K; NVFP4's per-tensor scales)."""
-    if not any(isinstance(a, QWeight) for a in srcs):
+    if all(isinstance(a, CpuQWeight) for a in srcs):
+        return cpu_native.concat_out(srcs)
+    if not any(isinstance(a, (QWeight, CpuQWeight)) for a in srcs):
         return jnp.concatenate(srcs, axis=-1)
     if not all(isinstance(a, QWeight) for a in srcs):
         return None
@@ -196,14 +205,20 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
     dtype = (layers[0] if isinstance(layers, list) else layers)["attn_norm"].dtype
     x = embed(cfg, weights, batch["token_ids"], dtype)
     if scan_layers:
+        # Stacked native CPU weights are not scanned over (a scanned slice feeding a custom call is
+        # copied every step): the kernel reads layer `index` of the whole stack in place.
+        native = {k: v for k, v in layers.items() if isinstance(v, CpuQWeight)}
+        scanned = {k: v for k, v in layers.items() if k not in native}
+
         def body(carry, xs):
             x, resid, kv = carry
             w, c = xs
+            w = dict(w, **{k: cpu_native.LayerOf(v, c["index"]) for k, v in native.items()})
             x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv)
             return (x, resid, kv), None
 
         # The first block's residual is zero (x + 0 == x exactly): one carry structure for the scan.
-        (x, resid, kv), _ = jax.lax.scan(body, (x, jnp.zeros_like(x), kv), (layers, consts))
+        (x, resid, kv), _ = jax.lax.scan(body, (x, jnp.zeros_like(x), kv), (scanned, consts))
     else:
         # Python-unrolled layers, each a call of one jitted block: JAX traces and lowers the block (and
         # its Pallas kernels) once per program instead of once per layer — that was most of the start-up
