@@ -134,8 +134,11 @@ def test_score_matches_model_logprobs(llm):
 
 def test_preemption_gives_same_greedy_output():
     n0 = len(_compiles)
+    # f32 weights (packed_weights=False): the native quantized kernel is batch-invariant per row, but it
+    # quantizes activations, which turns the last-bit differences of the other ops between a sequence
+    # alone and in a batch (other bucket shapes) into rare near-tie flips; this test is about preemption.
     small = LLM(str(smollm2_gguf()), max_model_len=256, max_num_seqs=8, prefill_chunk_size=64,
-                num_blocks=16, block_size=16)
+                num_blocks=16, block_size=16, packed_weights=False)
     del _compiles[n0:]  # its own warm-up compiles; nothing may compile after them
     prompts = [p + " " + p for p in PROMPTS] + PROMPTS[:2]
     alone = [small.generate(p, _greedy(48))[0].outputs[0].token_ids for p in prompts]
