@@ -67,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--llama-cpp-path", default=None, help="sys.path entry holding llama_cpp")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--server-args", default="", help="more `jaxserve run` flags, e.g. '--decode-steps 8'")
     args = ap.parse_args(argv)
     from bench.startup import launched_server
     from jaxserve.loader.pip_models import ensure_smollm2
@@ -75,11 +76,12 @@ def main(argv=None):
     rows = []
     for packed in args.packed.split(","):
         for scan in args.scan_layers.split(","):
-            extra = ["--scan-layers", scan, "--packed", packed, "--max-num-seqs", "4", "--max-model-len", "1024"]
+            extra = ["--scan-layers", scan, "--packed", packed, "--max-num-seqs", "4", "--max-model-len", "1024",
+                     *args.server_args.split()]
             with launched_server("", None, extra, 900) as (url, dt, _):
                 jaxserve_streamed(url, 8)  # warm
                 r = [jaxserve_streamed(url, args.max_tokens) for _ in range(args.runs)]
-            name = f"jaxserve run --scan-layers {scan} --packed {packed}"
+            name = f"jaxserve run --scan-layers {scan} --packed {packed} {args.server_args}".strip()
             rows.append(dict(engine=name, tok_s=max(r), runs=r, startup_s=dt))
             print(f"{name}: {r} tok/s; start-up {dt:.0f}s", flush=True)
     if args.llama_cpp_path:
