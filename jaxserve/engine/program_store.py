@@ -110,7 +110,9 @@ class ProgramStore:
             with open(path, "rb") as f:
                 payload, out_skeleton = pickle.load(f)
             in_tree = jax.tree.structure((tuple(args), {}))
-            return deserialize_and_load(payload, in_tree, jax.tree.structure(out_skeleton))
+            # The runner's programs without a mesh run on the default device.
+            return deserialize_and_load(payload, in_tree, jax.tree.structure(out_skeleton),
+                                        execution_devices=jax.devices()[:1])
         except FileNotFoundError:
             return None
         except Exception as e:  # stale or foreign file: compile instead

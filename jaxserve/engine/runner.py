@@ -207,7 +207,9 @@ class ModelRunner:
         on = self.ecfg.program_store
         if on is None:
             on = jax.devices()[0].platform == "cpu"
-        if not on or not root or jax.process_count() > 1:
+        # One device only: a sharded executable is loaded onto the backend's device list, which need not
+        # be the mesh it was compiled for (a data-parallel replica's devices).
+        if not on or not root or jax.process_count() > 1 or self.mesh is not None:
             return None
         from jaxserve.engine import program_store as ps
 
