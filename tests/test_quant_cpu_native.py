@@ -120,6 +120,19 @@ def test_isas_agree_and_stacked_layers():
         assert (np.abs(ref[i] - want) <= _bound(np.asarray(x), w)).all()
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4k"])
+def test_rows_do_not_depend_on_the_batch(fmt):
+    """A row's result is bit-identical whether it is multiplied alone or among other rows (activations
+    are quantized per row): batching by the scheduler does not change a sequence's numbers here."""
+    qw = _weight(fmt, 576, 96)
+    cw = cn.to_cpu(qw)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((7, 576)) * 3, jnp.float32)
+    f = jax.jit(cn.qmatmul)
+    full = np.asarray(f(x, cw))
+    for lo, m in ((2, 1), (2, 2), (3, 4)):
+        np.testing.assert_array_equal(np.asarray(f(x[lo:lo + m], cw)), full[lo:lo + m])
+
+
 def test_unsupported_formats_have_no_layout():
     fp8 = isq.quantize(np.ones((128, 8), np.float32), "q8_0")
     from jaxserve.quant.qweight import with_meta

@@ -214,6 +214,7 @@ def _to_native_cpu(cfg, src, weights) -> dict:
     import jax
 
     from jaxserve.kernels.quant_matmul.cpu_native import to_cpu
+    from jaxserve.models.transformer import free_arrays
     from jaxserve.quant.qweight import QWeight
 
     def conv(a):
@@ -224,8 +225,7 @@ def _to_native_cpu(cfg, src, weights) -> dict:
             return a
         cw = jax.device_put(cw)
         jax.block_until_ready(cw)
-        for leaf in jax.tree.leaves(a):
-            leaf.delete() if hasattr(leaf, "delete") else None
+        free_arrays(a)
         return cw
 
     weights = dict(weights)

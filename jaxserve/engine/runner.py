@@ -214,7 +214,7 @@ class ModelRunner:
         from jaxserve.engine import program_store as ps
 
         kernels = ps.stable_name((self.attention, self.attention_tiled, self.add_norm, self.rope_kv))
-        context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels, repr(self.mesh)))
+        context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels))
         return ps.ProgramStore(os.path.join(root, "jaxserve-programs"), context)
 
     def compile(self, key):

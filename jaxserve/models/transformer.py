@@ -132,11 +132,11 @@ def unstack_layers(weights) -> dict:
         a = stacked.pop(name)
         for i in range(L):
             per_layer[i][name] = a[i]
-        _free(a)
+        free_arrays(a)
     return dict(weights, layers=per_layer)
 
 
-def _free(a) -> None:
+def free_arrays(a) -> None:
     for leaf in jax.tree.leaves(a):  # a (Cpu)QWeight frees every packed leaf
         leaf.delete() if hasattr(leaf, "delete") else None
 
@@ -177,7 +177,7 @@ def fuse_projections(weights, free: bool = True) -> dict:
                 srcs = [layer.pop(p) for p in parts]
                 layer[new] = fused
                 for a in srcs if free else ():
-                    _free(a)
+                    free_arrays(a)
         return layer
 
     layers = weights["layers"]

@@ -292,21 +292,22 @@ def stack(qws) -> QWeight:
 
 
 # ------------------------------------------------------------------------------------- dequantize
-def _unpack_plane(p, b: int, slab: int, Kp: int):
+def _unpack_plane(p, b: int, slab: int, Kp: int, xp=jnp):
     C = 8 // b
     *lead, _, N = p.shape
     x = p.reshape(*lead, Kp // (C * slab), 1, slab, N)
-    shifts = (jnp.arange(C, dtype=jnp.uint8) * b).reshape(C, 1, 1)
-    return ((x >> shifts) & jnp.uint8((1 << b) - 1)).reshape(*lead, Kp, N)
+    shifts = (xp.arange(C, dtype=xp.uint8) * b).reshape(C, 1, 1)
+    return ((x >> shifts) & xp.uint8((1 << b) - 1)).reshape(*lead, Kp, N)
 
 
-def codes(qw: QWeight):
-    """All codes as int32 [..., Kp, N]."""
+def codes(qw: QWeight, xp=jnp, dtype=jnp.int32):
+    """All codes [..., Kp, N] as `dtype`; xp=np computes them on the host (no per-shape compiles, e.g.
+    when a loader converts layouts)."""
     m = qw.meta
     code, shift = None, 0
     for i, b in enumerate(m.bits):
-        v = _unpack_plane(jnp.asarray(qw.arrays[f"q{i}"]), b, m.slab, m.Kp).astype(jnp.int32)
-        code = v if code is None else code | (v << shift)
+        v = _unpack_plane(xp.asarray(qw.arrays[f"q{i}"]), b, m.slab, m.Kp, xp).astype(dtype)
+        code = v if code is None else code | (v << dtype(shift))
         shift += b
     return code
 

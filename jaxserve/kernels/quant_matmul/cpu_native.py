@@ -181,22 +181,6 @@ class LayerOf:
     index: object
 
 
-def _np_codes(qw) -> np.ndarray:
-    """All codes of a QWeight as uint8 [..., Kp, N] (numpy: no per-shape compiles at load)."""
-    m = qw.meta
-    out, shift = None, 0
-    for i, b in enumerate(m.bits):
-        p = np.asarray(qw.arrays[f"q{i}"])
-        C = 8 // b
-        *lead, _, N = p.shape
-        x = p.reshape(*lead, m.Kp // (C * m.slab), 1, m.slab, N)
-        sh = (np.arange(C, dtype=np.uint8) * b).reshape(C, 1, 1)
-        v = ((x >> sh) & np.uint8((1 << b) - 1)).reshape(*lead, m.Kp, N)
-        out = v if out is None else out | (v << np.uint8(shift))
-        shift += b
-    return out
-
-
 def _f16_exact(*arrays) -> bool:
     with np.errstate(over="ignore"):
         return all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in arrays)
@@ -211,7 +195,7 @@ def supported(m) -> bool:
 
 def to_cpu(qw) -> CpuQWeight | None:
     """The native CPU layout of a QWeight (numpy leaves), or None when not `supported`."""
-    from jaxserve.quant.qweight import group_factors
+    from jaxserve.quant.qweight import codes, group_factors
 
     m = qw.meta
     if not supported(m):
@@ -227,7 +211,7 @@ def to_cpu(qw) -> CpuQWeight | None:
     Kc = -(-m.K // max(CHUNK, group)) * max(CHUNK, group)
     G = Kc // group
     bits = 4 if m.code_bits <= 4 else 8
-    c = _np_codes(qw)[..., :m.K, :]
+    c = codes(qw, xp=np, dtype=np.uint8)[..., :m.K, :]  # every supported code fits a byte
     lead = c.shape[:-2]
     ct = np.zeros((*lead, m.N, Kc), np.uint8)
     ct[..., :m.K] = np.swapaxes(c, -1, -2)
