@@ -111,11 +111,9 @@ def make(kind, K, N, rng):
     if kind == "f8_b128":
         return {"q": jnp.asarray(rng.standard_normal((K, N)), jnp.float8_e4m3fn),
                 "s": jnp.asarray(rng.uniform(0.01, 0.03, (K // 128, N // 128)), f32)}
-    if kind == "pallas_q4k":
-        from jaxserve.quant import isq
-        base = rng.standard_normal((K, min(N, 1024))).astype(np.float32) * 0.02
-        full = np.tile(base, (1, N // base.shape[1]))
-        return {"qw": isq.quantize(full, "q4k")}
+    if kind == "pallas_q4k":  # ISQ of a [K, 1024] slice tiled along N (host time in seconds)
+        from bench.quant_gpu import make_weight
+        return {"qw": jax.tree.map(jnp.asarray, make_weight("q4k", K, N))}
     raise ValueError(kind)
 
 
@@ -125,7 +123,8 @@ def packed_bytes(w) -> int:
 
 
 def run_one(kind, K, N, M, copies, iters, reps, rng):
-    ws = [make(kind, K, N, rng) for _ in range(copies)]
+    w0 = make(kind, K, N, rng)  # one random weight; the copies are distinct device buffers of it
+    ws = [w0] + [jax.tree.map(lambda a: jnp.array(a, copy=True), w0) for _ in range(copies - 1)]
     nbytes = packed_bytes(ws[0])
     x0 = jnp.asarray(rng.standard_normal((M, K)), bf16)
 
@@ -148,7 +147,7 @@ def run_one(kind, K, N, M, copies, iters, reps, rng):
         from jaxserve.quant.qweight import dequantize
         wf = dequantize(ws[0]["qw"]).astype(f32)
     else:
-        wf = deq(kind, jax.tree.map(lambda a: a, ws[0]), K).astype(f32)
+        wf = deq(kind, ws[0], K).astype(f32)
         if kind == "s4_chan":
             wf = wf * ws[0]["s"].astype(f32)[None, :]
     with jax.default_matmul_precision("highest"):
