@@ -12,7 +12,8 @@ Two kernels, both reading the cache in place through the block table (no gather 
   that share the KV head (padded to a power of two >= 16 for the tensor-core dot); the token's key
   range [lo, pos] is cut into `num_splits` equal runs of key tiles computed at run time from the
   token's own position (flash-decoding), so bs=1 at long context still fills the GPU. Partial
-  (m, l, acc) per split are merged by a small jnp reduction. Correct for any token layout: every token
+  (m, l, acc) per split (real heads only) are merged by a second small kernel (`_merge_kernel`, one
+  program per token and KV head) that writes the output. Correct for any token layout: every token
   is handled on its own.
 * prefill / mixed (`_prefill_call`): one program per (query tile, KV head). A query tile is up to BQ
   consecutive tokens of one run of the same sequence; its rows are BQ tokens x G heads (GQA packed
@@ -140,15 +141,42 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
         s = jnp.where(ok[None, :], s, -jnp.inf)
         return _online_update(carry, s, v)
 
-    # Splits past p_eff write nothing (the merge masks them): short contexts move no partials.
+    # Splits past p_eff write nothing (the merge never reads them): short contexts move no partials.
+    # Only the G real heads are stored: the padded rows of the group are masked off (own addresses).
     @pl.when(p < p_eff)
     def _():
         init = (jnp.full((Gp,), _INIT_M, jnp.float32), jnp.zeros((Gp,), jnp.float32),
                 jnp.zeros((Gp, Dp), jnp.float32))
         m, l, acc = lax.fori_loop(a, b, body, init)
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = l
+        g = jnp.arange(Gp)
+        real = g < G
+        d = jnp.arange(Dp)
+        st = _triton().store
+        st(o_ref.at[t, h, p, g[:, None], d[None, :]], acc, mask=jnp.broadcast_to(real[:, None], (Gp, Dp)))
+        st(m_ref.at[t, h, p, g], m, mask=real)
+        st(l_ref.at[t, h, p, g], l, mask=real)
+
+
+def _merge_kernel(window_ref, pos_ref, o_ref, m_ref, l_ref, out_ref, *, G, Gm, N, P, min_tiles):
+    """One program per (token, KV head): the flash-decoding merge of the token's p_eff splits (online,
+    one split at a time) into the [Gm, Dp] output rows of the head group, in the output's dtype. One
+    kernel instead of XLA's ~6 small reductions + a slice per layer (each a launch-bound ~1.5 us)."""
+    t, h = pl.program_id(0), pl.program_id(1)
+    p_eff = _split_plan(pos_ref[t], window_ref[0], N=N, P=P, min_tiles=min_tiles)[-1]
+    g = jnp.minimum(jnp.arange(Gm), G - 1)  # rows past G (G not a power of two) re-read row G-1
+
+    def body(p, carry):
+        m, l, acc = carry
+        mp = m_ref[t, h, p, g]
+        m_new = jnp.maximum(m, mp)
+        a, b = jnp.exp(m - m_new), jnp.exp(mp - m_new)
+        return m_new, l * a + l_ref[t, h, p, g] * b, acc * a[:, None] + o_ref[t, h, p, g, :] * b[:, None]
+
+    Dp = out_ref.shape[-1]
+    init = (jnp.full((Gm,), _INIT_M, jnp.float32), jnp.zeros((Gm,), jnp.float32),
+            jnp.zeros((Gm, Dp), jnp.float32))
+    m, l, acc = lax.fori_loop(0, p_eff, body, init)
+    out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
 
 
 def _split_plan(pos, window, *, N, P, min_tiles):
@@ -180,32 +208,37 @@ def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
     kernel = functools.partial(_decode_kernel, scale=float(scale), softcap=softcap, G=G, Gp=Gp, D=D,
                                Dp=Dp, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles)
     full = pl.BlockSpec()
+    cp = None if interpret else _compiler_params(num_warps, num_stages)
+    # Partials [T, KV, P, Gp, Dp] / [T, KV, P, Gp] f32; only the real heads' rows of used splits are
+    # written (and read).
     o, m, l = pl.pallas_call(
         kernel,
         grid=(T, KV, P),
         in_specs=[full] * 8,
-        out_specs=[pl.BlockSpec((None, None, None, Gp, Dp), lambda t, h, p: (t, h, p, 0, 0)),
-                   pl.BlockSpec((None, None, None, Gp), lambda t, h, p: (t, h, p, 0)),
-                   pl.BlockSpec((None, None, None, Gp), lambda t, h, p: (t, h, p, 0))],
+        out_specs=[full] * 3,
         out_shape=[jax.ShapeDtypeStruct((T, KV, P, Gp, Dp), jnp.float32),
                    jax.ShapeDtypeStruct((T, KV, P, Gp), jnp.float32),
                    jax.ShapeDtypeStruct((T, KV, P, Gp), jnp.float32)],
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
+        compiler_params=cp,
         name=f"paged_decode_G{Gp}_N{N}_P{P}",
     )(layer, window, block_tables, token_seq, positions, q, k_cache, v_cache)
 
-    # Second pass: merge the splits (small: T*KV*P*Gp*Dp floats); unwritten splits are masked.
-    p_eff = _split_plan(positions, window[0], N=N, P=P, min_tiles=min_tiles)[-1]
-    used = (jnp.arange(P)[None, :] < p_eff[:, None])[:, None, :, None]  # [T, 1, P, 1]
-    m = jnp.where(used, m, _INIT_M)
-    l = jnp.where(used, l, 0.0)
-    o = jnp.where(used[..., None], o, 0.0)
-    mx = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - mx)  # empty splits: exp(-1e30 - mx) = 0
-    lsum = jnp.sum(w * l, axis=2)
-    out = jnp.sum(w[..., None] * o, axis=2) / jnp.where(lsum > 0, lsum, 1.0)[..., None]
-    return out[:, :, :G, :D].reshape(T, H, D).astype(q.dtype)
+    Gm = _pow2(G)  # the merge has no dot: rows = the group rounded up to a power of two
+    merge = functools.partial(_merge_kernel, G=G, Gm=Gm, N=N, P=P, min_tiles=min_tiles)
+    out = pl.pallas_call(
+        merge,
+        grid=(T, KV),
+        in_specs=[full] * 5,
+        out_specs=pl.BlockSpec((None, None, Gm, Dp), lambda t, h: (t, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((T, KV, Gm, Dp), q.dtype),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(4, 1),
+        name=f"paged_decode_merge_G{Gm}_P{P}",
+    )(window, positions, o, m, l)
+    if Gm != G or Dp != D:  # a slice (one small kernel); none for power-of-two groups and head sizes
+        out = out[:, :, :G, :D]
+    return out.reshape(T, H, D)
 
 
 # --------------------------------------------------------------------------------------------- prefill
