@@ -57,7 +57,7 @@ def tree_weight_bytes(cfg, weights) -> int:
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
-                 fuse=None, batch=1, fused_rope_kv=False):
+                 fuse=None, batch=1, fused_rope_kv=None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -143,7 +143,8 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
     ap.add_argument("--attention", default="reference,pallas_triton")
     ap.add_argument("--contexts", default="0,4096,32768")
-    ap.add_argument("--fused-rope-kv", action="store_true", help="the fused RoPE + K/V write kernel")
+    ap.add_argument("--fused-rope-kv", choices=["auto", "on", "off"], default="auto",
+                    help="the fused RoPE + K/V write kernel (auto: the engine's default, on with one GPU)")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (tok/s: aggregate)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per dispatch (K)")
     ap.add_argument("--dispatches", type=int, default=8, help="dispatches per timed run")
@@ -202,7 +203,7 @@ def main(argv=None):
     fused = False
     for quant, spec, fuse in variants:
         label, fn = parse_impl(spec)
-        label += (" fused" if fuse else "") + (" rope_kv" if args.fused_rope_kv else "")
+        label += (" fused" if fuse else "") + (f" rope_kv={args.fused_rope_kv}" if args.fused_rope_kv != "auto" else "")
         if quant != "none":
             from bench.random_model import random_packed_layers
 
@@ -222,7 +223,7 @@ def main(argv=None):
         B = args.batch
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
-                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=args.fused_rope_kv)
+                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv])
         t = time.perf_counter()
         try:
             runner.compile(("decode", B))

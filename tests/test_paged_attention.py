@@ -22,6 +22,11 @@ IMPLS = {"reference": ref.paged_attention,
                                                        block_q=4, block_k=16)}
 
 
+# f32 tolerance: on a GPU the Pallas kernels' f32 dots run in TF32 (10-bit mantissa), as every
+# Triton flash kernel does; the model runs them in bf16 (bench/kernels_gpu.py checks that).
+TOL = 2e-5 if jax.devices()[0].platform == "cpu" else 3e-3
+
+
 def _jit(fn, args, kwargs, **fixed):
     """One compiled program per call (eager dispatch of the wrapper's small ops costs more)."""
     q, kc, vc, layer, *rest = args
@@ -74,7 +79,7 @@ def test_mixed_prefill_and_decode(impl, window, softcap):
     got = IMPLS[impl](c["q"], c["k_cache"], c["v_cache"], c["layer"], c["tables"], c["token_seq"],
                       c["positions"], scale=scale, window=window, softcap=softcap)
     want = _oracle(c, scale, window, softcap)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -83,7 +88,7 @@ def test_long_context_decode_is_exact(impl):
     c = _case(rng, lens=[200, 77], new=[1, 1], BS=8, num_blocks=64)
     got = IMPLS[impl](c["q"], c["k_cache"], c["v_cache"], c["layer"], c["tables"], c["token_seq"],
                       c["positions"], scale=0.25)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(_oracle(c, 0.25, 0, None)), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_oracle(c, 0.25, 0, None)), atol=TOL)
 
 
 def test_write_kv_then_read():
@@ -128,7 +133,7 @@ def test_odd_shapes_and_padding_tokens(impl):
                       window=6)
     T = c["q"].shape[0]
     assert np.all(np.isfinite(np.asarray(got)))
-    np.testing.assert_allclose(np.asarray(got[:T]), np.asarray(_oracle(c, 0.2, 6, None)), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got[:T]), np.asarray(_oracle(c, 0.2, 6, None)), atol=TOL)
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
@@ -169,5 +174,5 @@ def test_tiled_prefill_region_matches_oracle(window, softcap):
                                     jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32), scale=0.3,
                                     window=window, softcap=softcap, tile=tile, blocks_per_iter=2)
     want = _oracle(c, 0.3, window, softcap)
-    np.testing.assert_allclose(np.asarray(got)[np.asarray(where)], np.asarray(want), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(got)[np.asarray(where)], np.asarray(want), atol=TOL, rtol=TOL)
     assert np.isfinite(np.asarray(got)).all()

@@ -112,9 +112,10 @@ class ModelRunner:
         from jaxserve.kernels import rms_norm
 
         self.add_norm = rms_norm.get(rms_norm.default_for(platform)) if mesh is None else None
-        # Fused RoPE + K/V write: opt-in until measured on a GPU (EngineConfig.fused_rope_kv).
+        # Fused RoPE + K/V write (EngineConfig.fused_rope_kv; default: with one GPU device).
         self.rope_kv = None
-        if ecfg.fused_rope_kv and mesh is None:
+        want = platform != "cpu" if ecfg.fused_rope_kv is None else ecfg.fused_rope_kv
+        if want and mesh is None:
             from jaxserve.kernels import rope_kv
 
             self.rope_kv = rope_kv.get(rope_kv.default_for(platform))

@@ -231,12 +231,16 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         def block(x, resid, w, c, kv, arrays):
             return decoder_layer(cfg, x, w, c, kv, {**arrays, **static}, attention, resid, add_norm, rope_kv)
 
+        # The layer constants are compile-time literals here (numpy from the static config), not
+        # slices of the traced `consts`: on the GPU each slice was a kernel (4 per layer, ~1 us each)
+        # feeding the Pallas calls their layer index, window and RoPE table.
+        static_consts = layer_constants(cfg)
         resid = None
         for i in range(cfg.num_layers):
             # Per-layer arrays (see unstack_layers): slicing a stacked weight inside the on-device
             # decode loop makes XLA copy it every step.
             w = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
-            c = {k: jnp.asarray(v[i]) for k, v in consts.items()}
+            c = {k: np.asarray(v[i]) for k, v in static_consts.items()}
             x, resid, kv = block(x, resid, w, c, kv, arrays)
     return add_norm(x, resid, weights["final_norm"], cfg.rms_norm_eps)[1], kv
 

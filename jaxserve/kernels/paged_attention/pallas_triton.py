@@ -157,26 +157,24 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
         st(l_ref.at[t, h, p, g], l, mask=real)
 
 
-def _merge_kernel(window_ref, pos_ref, o_ref, m_ref, l_ref, out_ref, *, G, Gm, N, P, min_tiles):
-    """One program per (token, KV head): the flash-decoding merge of the token's p_eff splits (online,
-    one split at a time) into the [Gm, Dp] output rows of the head group, in the output's dtype. One
-    kernel instead of XLA's ~6 small reductions + a slice per layer (each a launch-bound ~1.5 us)."""
-    t, h = pl.program_id(0), pl.program_id(1)
+def _merge_kernel(window_ref, pos_ref, o_ref, m_ref, l_ref, out_ref, *, G, N, P, Pp, min_tiles):
+    """One program per (token, query head): the flash-decoding merge of the token's p_eff splits, all
+    splits loaded at once ([Pp, Dp]; a loop over splits is latency-bound: ~1 us per split), written as
+    the head's output row in its dtype. One kernel instead of XLA's ~6 small reductions + a slice per
+    layer. Splits past p_eff were never written: their loads are masked to zero weight."""
+    t, hq = pl.program_id(0), pl.program_id(1)
+    h, g = hq // G, hq % G
     p_eff = _split_plan(pos_ref[t], window_ref[0], N=N, P=P, min_tiles=min_tiles)[-1]
-    g = jnp.minimum(jnp.arange(Gm), G - 1)  # rows past G (G not a power of two) re-read row G-1
-
-    def body(p, carry):
-        m, l, acc = carry
-        mp = m_ref[t, h, p, g]
-        m_new = jnp.maximum(m, mp)
-        a, b = jnp.exp(m - m_new), jnp.exp(mp - m_new)
-        return m_new, l * a + l_ref[t, h, p, g] * b, acc * a[:, None] + o_ref[t, h, p, g, :] * b[:, None]
-
+    p = jnp.arange(Pp)
+    used = p < p_eff
+    pc = jnp.minimum(p, P - 1)
+    m = jnp.where(used, m_ref[t, h, pc, g], _INIT_M)
+    w = jnp.where(used, jnp.exp(m - jnp.max(m)), 0.0)
+    lsum = jnp.sum(w * jnp.where(used, l_ref[t, h, pc, g], 0.0))
     Dp = out_ref.shape[-1]
-    init = (jnp.full((Gm,), _INIT_M, jnp.float32), jnp.zeros((Gm,), jnp.float32),
-            jnp.zeros((Gm, Dp), jnp.float32))
-    m, l, acc = lax.fori_loop(0, p_eff, body, init)
-    out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+    o = jnp.where(used[:, None], o_ref[t, h, pc[:, None], g, jnp.arange(Dp)[None, :]], 0.0)
+    out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(lsum > 0, lsum, 1.0)
+    out_ref[...] = out.astype(out_ref.dtype)
 
 
 def _split_plan(pos, window, *, N, P, min_tiles):
@@ -224,21 +222,19 @@ def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
         name=f"paged_decode_G{Gp}_N{N}_P{P}",
     )(layer, window, block_tables, token_seq, positions, q, k_cache, v_cache)
 
-    Gm = _pow2(G)  # the merge has no dot: rows = the group rounded up to a power of two
-    merge = functools.partial(_merge_kernel, G=G, Gm=Gm, N=N, P=P, min_tiles=min_tiles)
+    Pp = _pow2(P)
+    merge = functools.partial(_merge_kernel, G=G, N=N, P=P, Pp=Pp, min_tiles=min_tiles)
     out = pl.pallas_call(
         merge,
-        grid=(T, KV),
+        grid=(T, H),
         in_specs=[full] * 5,
-        out_specs=pl.BlockSpec((None, None, Gm, Dp), lambda t, h: (t, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((T, KV, Gm, Dp), q.dtype),
+        out_specs=pl.BlockSpec((None, None, Dp), lambda t, h: (t, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((T, H, Dp), q.dtype),
         interpret=interpret,
-        compiler_params=None if interpret else _compiler_params(4, 1),
-        name=f"paged_decode_merge_G{Gm}_P{P}",
+        compiler_params=None if interpret else _compiler_params(4 if Pp * Dp <= 8192 else 8, 1),
+        name=f"paged_decode_merge_P{P}",
     )(window, positions, o, m, l)
-    if Gm != G or Dp != D:  # a slice (one small kernel); none for power-of-two groups and head sizes
-        out = out[:, :, :G, :D]
-    return out.reshape(T, H, D)
+    return out if Dp == D else out[..., :D]  # a slice only for head sizes not a power of two
 
 
 # --------------------------------------------------------------------------------------------- prefill
