@@ -61,7 +61,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--compile-cache-dir", default=None)
     e.add_argument("--program-store", choices=["auto", "on", "off"], default="auto",
                    help="keep compiled programs next to the compile cache so a warm start skips tracing "
-                        "(auto: on CPU only)")
+                        "(auto: on with one device and no tp/dp mesh)")
     e.add_argument("--seed", type=int, default=None)
 
 
