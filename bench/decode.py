@@ -157,6 +157,9 @@ def main(argv=None):
     ap.add_argument("--qmm-decode", default=None,
                     help="MODE:MAX_M[:REDUCE]: the quant matmul kernel used for M <= MAX_M rows (e.g. gemv:4; default: "
                          "pallas_triton.DECODE_MODE/DECODE_MAX_M)")
+    ap.add_argument("--attn-decode", default=None,
+                    help="KEY=V,... overrides of the Pallas decode attention's DECODE_TUNING for this run "
+                         "(split_min_tiles, block_k, num_warps, num_stages)")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
     ap.add_argument("--hlo-dir", default=None, help="write each variant's optimized decode program here")
     ap.add_argument("--profile", type=int, default=0,
@@ -183,6 +186,15 @@ def main(argv=None):
         if reduce:
             pallas_gemv.DEFAULT_REDUCE = reduce[0]
         print(f"# quant matmul decode kernel: {args.qmm_decode} for M <= {max_m}", flush=True)
+    if args.attn_decode:
+        from jaxserve.kernels.paged_attention import pallas_triton as apt
+
+        for kv in args.attn_decode.split(","):
+            k, v = kv.split("=")
+            if k not in apt.DECODE_TUNING:
+                raise SystemExit(f"--attn-decode: unknown key {k!r} (one of {sorted(apt.DECODE_TUNING)})")
+            apt.DECODE_TUNING[k] = int(v)
+        print(f"# decode attention tuning: {apt.DECODE_TUNING}", flush=True)
     weights = None
     if "none" in quants:
         t = time.perf_counter()
