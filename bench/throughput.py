@@ -71,6 +71,8 @@ def main(argv=None):
     ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--async-scheduling", default="on",
+                    help="comma list of on/off: run every workload with the engine's async scheduling so")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     args = ap.parse_args(argv)
 
@@ -103,7 +105,9 @@ def main(argv=None):
     llm = LLM.from_engine(eng)
     rng = np.random.default_rng(0)
     rows = []
-    for n, i, o in wls:
+    modes = [m == "on" for m in args.async_scheduling.split(",")]
+    for mode, (n, i, o) in [(m, w) for m in modes for w in wls]:
+        eng.ecfg = eng.ecfg.replace(async_scheduling=mode)  # read by LLMEngine.step only
         params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
         runs = []
         for r in range(args.runs + 1):
@@ -118,12 +122,12 @@ def main(argv=None):
             print(f"  run {r}: prefill {tp - t0:.3f}s, decode {t1 - tp:.3f}s", flush=True)
         pre = statistics.median(x[0] for x in runs)
         dec = statistics.median(x[1] for x in runs)
-        row = dict(config=args.config, workload=f"{n}x{i}x{o}", chunk=args.chunk, decode_steps=args.decode_steps,
+        row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync"), chunk=args.chunk, decode_steps=args.decode_steps,
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
                    jax=jax.__version__, device=dev.device_kind)
         rows.append(row)
-        print(f"{n}x{i}x{o}: prefill {row['prefill_tok_s']:.0f} tok/s ({pre * 1e3:.1f} ms)"
+        print(f"{row['workload']}: prefill {row['prefill_tok_s']:.0f} tok/s ({pre * 1e3:.1f} ms)"
               + (f"; decode {row['decode_tok_s']:.0f} tok/s aggregate ({dec / (o - 1) * 1e3:.1f} ms/step)"
                  if o > 1 else ""), flush=True)
     print("\n| workload | prefill tok/s | prefill ms | decode tok/s (aggregate) |\n|---|---|---|---|")

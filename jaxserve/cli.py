@@ -58,6 +58,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--decode-steps", type=int, default=None,
                    help="decode steps per dispatch when no sequence needs the host")
     e.add_argument("--scan-layers", choices=["auto", "on", "off"], default="auto")
+    e.add_argument("--async-scheduling", choices=["on", "off"], default="on",
+                   help="dispatch the next multi-step decode before reading the current one's tokens")
     e.add_argument("--compile-cache-dir", default=None)
     e.add_argument("--program-store", choices=["auto", "on", "off"], default="auto",
                    help="keep compiled programs next to the compile cache so a warm start skips tracing "
@@ -92,6 +94,8 @@ def engine_config_from_args(args):
         kw["enable_prefix_cache"] = False
     if getattr(args, "program_store", "auto") != "auto":
         kw["program_store"] = args.program_store == "on"
+    if getattr(args, "async_scheduling", "on") == "off":
+        kw["async_scheduling"] = False
     if args.scan_layers != "auto":
         kw["scan_layers"] = args.scan_layers == "on"
     if getattr(args, "isq", None):

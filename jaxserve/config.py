@@ -193,6 +193,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_cache_max_tokens: int | None = None
     decode_steps: int = 4  # decode steps per dispatch when no sequence needs the host
+    # Dispatch the next multi-step decode before the host has read the current one (its first tokens
+    # come from the device); the host's per-step work then overlaps the device's (engine/llm_engine.py).
+    async_scheduling: bool = True
     dtype: str = "float32"  # compute/weight dtype; f32 on CPU (bf16 dots are slow in XLA:CPU)
     kv_dtype: str | None = None  # default: dtype
     scan_layers: bool | None = None  # None: scan on CPU (fast compiles), unroll on GPU (fast steps)

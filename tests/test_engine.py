@@ -147,3 +147,35 @@ def test_preemption_gives_same_greedy_output():
     assert small.engine.num_preemptions > 0
     bm = small.engine.block_manager
     assert bm.num_used_blocks == 0
+
+
+def test_async_scheduling_gives_the_same_outputs(llm):
+    """Decode steps dispatched ahead of the host (their first token still on the device) change
+    nothing: greedy, seeded sampling with penalties and min_tokens, stop strings, stop tokens that end
+    a sequence inside a multi-step decode, logprobs."""
+    eng = llm.engine
+    first = llm.generate(PROMPTS[2], _greedy(40))[0].outputs[0].token_ids
+    params = [_greedy(30),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=25, stop=["\n\n"]),
+              _greedy(40, stop_token_ids=[first[9]]),  # ends after ~10 tokens: inside a 4-step decode
+              SamplingParams(temperature=1.0, seed=5, max_tokens=33, frequency_penalty=1.0, logprobs=2,
+                             min_tokens=5)]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4]]
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
+
+    assert eng.ecfg.async_scheduling
+    n0 = eng.num_ahead_steps
+    got = run()
+    assert eng.num_ahead_steps > n0
+    eng.ecfg = eng.ecfg.replace(async_scheduling=False)
+    try:
+        n1 = eng.num_ahead_steps
+        want = run()
+        assert eng.num_ahead_steps == n1
+    finally:
+        eng.ecfg = eng.ecfg.replace(async_scheduling=True)
+    assert got == want
+    assert want[2][2] == "stop" and len(want[2][0]) <= 10

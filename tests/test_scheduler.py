@@ -544,3 +544,93 @@ def test_chunks_are_charged_in_whole_query_tiles():
                 assert x.num_new % 8 == 0
     assert not sched.has_unfinished()
     assert a.output_token_ids == expected_outputs(a, 3) and b.output_token_ids == expected_outputs(b, 3)
+
+
+# ------------------------------------------------------------------ steps scheduled ahead (async)
+
+
+def _eos_at(stops):
+    """token_fn: EOS at the given absolute positions of the given sequences, else default_token."""
+    def fn(seq, pos):  # by request id (seq ids differ between the two runs compared)
+        return EOS if (seq.request_id, pos) in stops else 10 + (ord(seq.request_id) * 7919 + pos * 104729) % 5000
+    return fn
+
+
+def _drain_ahead(sched, runner):
+    """The engine's async loop on the host: while a multi-step decode is in flight, the next one is
+    scheduled ahead (before its results are applied). The fake device skips sequences that ended
+    meanwhile (the real one computes them and the host drops the result)."""
+    pending, steps, ahead = None, 0, 0
+    while sched.has_unfinished() or pending is not None:
+        out, pending = (pending if pending is not None else sched.schedule()), None
+        if out.is_empty:
+            continue
+        nxt = sched.schedule_ahead(out)
+        if nxt is not None:
+            ahead += 1
+            check_invariants(sched)
+        live = [ss for ss in out.scheduled if ss.seq.status == SeqStatus.RUNNING]
+        res = runner.run(type(out)(scheduled=live, decode_steps=out.decode_steps))
+        idx = {id(ss): i for i, ss in enumerate(live)}
+        full = StepResult([res.tokens[idx[id(ss)]] if id(ss) in idx else [] for ss in out.scheduled],
+                          [res.logprobs[idx[id(ss)]] if id(ss) in idx else None for ss in out.scheduled],
+                          [None] * len(out.scheduled))
+        sched.update(out, full, lambda t: t == EOS)
+        check_invariants(sched)
+        pending = nxt
+        steps += 1
+        assert steps < 5000
+    assert sched.bm.num_free_blocks == sched.bm.num_usable_blocks, "leaked blocks"
+    return ahead
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_steps_scheduled_ahead_give_the_same_outputs(prefix_cache):
+    stops = {("b", 6 + 9), ("c", 5 + 4)}  # b stops inside a multi-step, c right after its prefill
+
+    def run(pipelined):
+        cfg, bm, sched = make({"decode_steps": 4, "max_num_seqs": 4}, enable_prefix_cache=prefix_cache)
+        runner = FakeRunner(bm, token_fn=_eos_at(stops))
+        seqs = [seq(range(6), "a", max_tokens=30), seq(range(20, 26), "b", max_tokens=40),
+                seq(range(40, 45), "c", max_tokens=25), seq(range(6), "d", max_tokens=13)]
+        for s in seqs:
+            sched.add(s)
+        ahead = _drain_ahead(sched, runner) if pipelined else (drain(sched, runner), 0)[1]
+        return [(s.output_token_ids, s.finish_reason) for s in seqs], ahead
+
+    want, _ = run(False)
+    got, ahead = run(True)
+    assert got == want
+    assert ahead > 3
+    assert want[1][1] == FinishReason.STOP and len(want[1][0]) == 10  # b: stopped at its EOS
+    assert want[3][1] == FinishReason.LENGTH and len(want[3][0]) == 13
+
+
+def test_schedule_ahead_only_when_nothing_needs_the_host():
+    cfg, bm, sched = make({"decode_steps": 4, "max_num_seqs": 2})
+    runner = FakeRunner(bm)
+    a = seq(range(6), "a", max_tokens=30)
+    sched.add(a)
+    step(sched, runner)  # prefill
+    out = sched.schedule()
+    assert out.decode_steps == 4
+    nxt = sched.schedule_ahead(out)
+    assert nxt is not None and nxt.decode_steps == 4
+    assert [(ss.start, ss.ahead, ss.samples) for ss in nxt.scheduled] == [(out.scheduled[0].start + 4, True, True)]
+    assert len(a.block_table) * 4 >= a.num_computed_tokens + 8  # slots for both steps
+    # someone waiting for a free seat: the next step must be scheduled by the host
+    sched.add(seq(range(50, 55), "b"))
+    assert sched.schedule_ahead(out) is None
+    # a single-step (prefill/mixed) step is never followed ahead
+    cfg, bm, sched = make({"decode_steps": 4})
+    sched.add(seq(range(6), "c", max_tokens=30))
+    first = sched.schedule()
+    assert first.decode_steps == 1 and sched.schedule_ahead(first) is None
+    # a sequence that ends by length inside the step in flight: no step ahead
+    cfg, bm, sched = make({"decode_steps": 4})
+    runner = FakeRunner(bm)
+    d = seq(range(6), "d", max_tokens=5)
+    sched.add(d)
+    step(sched, runner)
+    out = sched.schedule()
+    assert out.decode_steps == 4 and sched.schedule_ahead(out) is None

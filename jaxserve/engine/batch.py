@@ -20,10 +20,14 @@ class ScheduledSeq:
     start: int  # position of the first token processed this step (= seq.num_computed_tokens)
     num_new: int  # tokens processed this step
     reset_row: bool = False  # first step on this device row: zero its penalty counts
+    # Scheduled before the previous step's tokens reached the host (Scheduler.schedule_ahead): its
+    # input token is the last one the device sampled for the row; start counts the previous step's
+    # tokens as computed.
+    ahead: bool = False
 
     @property
     def samples(self) -> bool:
-        return self.start + self.num_new == self.seq.num_tokens
+        return self.ahead or self.start + self.num_new == self.seq.num_tokens
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.output import SeqOutput, TextState
 from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from jaxserve.engine.sequence import FinishReason, Sequence
+from jaxserve.engine.sequence import FinishReason, Sequence, SeqStatus
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -311,6 +311,8 @@ class LLMEngine:
             log.warning("max_model_len %d exceeds the model's %d positions", ecfg.max_model_len,
                         lm.cfg.max_position_embeddings)
         self.ecfg = ecfg
+        self._ahead: _Launched | None = None  # a decode step dispatched ahead (see step())
+        self.num_ahead_steps = 0
         reserved = 0
         if not (ecfg.num_blocks or ecfg.kv_mem_mb) and jax_platform() != "cpu":
             # The largest step's temporaries come out of the same device memory: compile it once
@@ -402,7 +404,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[SeqOutput]:
-        return self.step_finish(self.step_launch())
+        """One step's outputs. With async_scheduling, while a multi-step decode runs on the device the
+        next one is already dispatched (Scheduler.schedule_ahead) before this one's results are read,
+        so the host's reading, detokenizing and scheduling overlap the device's work."""
+        launched, self._ahead = self._ahead, None
+        if launched is not None and not any(s.seq.status == SeqStatus.RUNNING for s in launched.sched.scheduled):
+            launched = None  # everyone in it ended meanwhile: nothing to read
+        if launched is None:
+            launched = self.step_launch()
+        if self.ecfg.async_scheduling and launched.pending is not None:
+            nxt = self.scheduler.schedule_ahead(launched.sched)
+            if nxt is not None:
+                self._ahead = _Launched(nxt, self.runner.dispatch(nxt), [])
+                self.num_ahead_steps += 1
+        return self.step_finish(launched)
 
     def step_launch(self) -> "_Launched":
         """Schedule and dispatch a step without waiting for the device (DataParallelEngine launches

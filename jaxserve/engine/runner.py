@@ -152,6 +152,8 @@ class ModelRunner:
             "v": (shape, kv_dtype, KV_CACHE_AXES),
             "out_counts": ((self.R + 1, cfg.vocab_size), jnp.int32, ROW_STATE_AXES),
             "prompt_mask": ((self.R + 1, cfg.vocab_size), jnp.bool_, ROW_STATE_AXES),
+            # the last token a decode program sampled per row: the input of a step scheduled ahead
+            "last_token": ((self.R + 1,), jnp.int32, (None,)),
         }
         self.state = {}
         for name, (shp, dt, axes) in state_shapes.items():
@@ -307,7 +309,7 @@ class ModelRunner:
         }
         if key[0] == "decode":
             base.update(token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
-                        num_steps=np.int32(1))
+                        use_last=np.zeros(S, bool), num_steps=np.int32(1))
             return base
         T = S + key[1]  # single-token region + tile-aligned prompt-chunk region
         base.update(
@@ -345,12 +347,17 @@ class ModelRunner:
             params.append(seq.params)
             seeds.append(seq.sample_seed)
         inp["st"] = build_sampling_tensors(params, S, seeds,
-                                           output_lens=[len(s.seq.output_token_ids) for s in items],
+                                           # a step scheduled ahead follows tokens not read yet
+                                           output_lens=[len(s.seq.output_token_ids) + s.start
+                                                        - s.seq.num_computed_tokens for s in items],
                                            eos_token_ids=self.cfg.eos_token_ids)
         inp["st"]["want_logprobs"] = np.bool_(any(p.logprobs for p in params))
         if key[0] == "decode":
             for i, s in enumerate(items):
-                inp["token_ids"][i] = s.seq.token_at(s.start)
+                if s.ahead:  # the device has the token (state["last_token"]), the host not yet
+                    inp["use_last"][i] = True
+                else:
+                    inp["token_ids"][i] = s.seq.token_at(s.start)
                 inp["positions"][i] = s.start
             inp["num_steps"] = np.int32(sched.decode_steps)
             return key, inp, list(range(len(items)))

@@ -235,6 +235,32 @@ class Scheduler:
             self.bm.append_slots(s.seq, K)
         return K
 
+    def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode step after `prev` — a multi-step decode dispatched but not yet read — assuming
+        every sequence in it takes all of its tokens. Sequences that in fact stop inside `prev` are
+        skipped when this step's results arrive (update() ignores finished sequences; what the device
+        computed for them is dropped). None when the next step needs the host: someone waits to be
+        admitted, a sequence ends by length inside `prev`, or the blocks for both steps are short."""
+        K0 = prev.decode_steps
+        if K0 < 2 or prev.preempted or self.waiting or self._finished_log:
+            return None
+        items = [s for s in prev.scheduled if s.seq.status == SeqStatus.RUNNING]
+        if not items or len(items) != len(self.running):
+            return None
+        K = self.cfg.decode_steps
+        for s in items:
+            if s.num_new != 1 or not s.samples or s.start != s.seq.num_computed_tokens:
+                return None
+            K = min(K, self._remaining(s.seq) - K0)
+        if K < 1:
+            return None
+        if sum(self.bm.blocks_needed(s.seq, K0 + K) for s in items) > self.bm.num_free_blocks:
+            return None
+        for s in items:
+            self.bm.append_slots(s.seq, K0 + K)
+        return SchedulerOutput(scheduled=[ScheduledSeq(s.seq, s.start + K0, 1, ahead=True) for s in items],
+                               decode_steps=K)
+
     # ---------------------------------------------------------------- results
 
     def _stops(self, seq: Sequence, tok: int, eos_check: Callable[[int], bool]) -> bool:

@@ -7,7 +7,8 @@ Two program families, each compiled once per bucket at start-up:
   * decode(S seqs): up to K decode steps in an on-device loop (trip count is an input, <= K), feeding
     each sampled token back; the host reads all K tokens afterwards and drops those after a stop.
 Device state (donated every step): the paged K/V caches and, per persistent batch row, the output
-token counts and prompt-token mask that the repetition/presence/frequency penalties read.
+token counts and prompt-token mask that the repetition/presence/frequency penalties read, and the
+last token a decode program sampled (the input of a decode step scheduled ahead of the host).
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
             "logprob": jnp.zeros((max_steps, S), jnp.float32),
             "top_ids": jnp.zeros((max_steps, S, num_top), jnp.int32),
             "top_logprobs": jnp.zeros((max_steps, S, num_top), jnp.float32)}
-    state, _, _, outs = jax.lax.fori_loop(0, inp["num_steps"], one,
-                                          (state, inp["token_ids"], inp["positions"], outs))
+    rows = inp["rows"]
+    # A step scheduled ahead starts from the row's last sampled token, still on the device.
+    tokens = jnp.where(inp["use_last"], state["last_token"][rows], inp["token_ids"])
+    state, last, _, outs = jax.lax.fori_loop(0, inp["num_steps"], one, (state, tokens, inp["positions"], outs))
+    state = dict(state, last_token=state["last_token"].at[rows].set(last))  # padding: dummy row R
     return state, outs
