@@ -159,31 +159,25 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
         st(m_ref.at[t, h, p, g], m, mask=real)
         st(l_ref.at[t, h, p, g], l, mask=real)
 
-    # Unused splits mark themselves empty (m only, 64 bytes): the merge then needs no split plan of its
-    # own, so its loads do not wait on the token's position.
-    @pl.when(p >= p_eff)
-    def _():
-        g = jnp.arange(Gp)
-        _triton().store(m_ref.at[t, h, p, g], jnp.full((Gp,), _INIT_M, jnp.float32), mask=g < G)
 
-
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, G, P, Pp):
-    """One program per (token, query head): the flash-decoding merge of the token's splits, all loaded
-    at once ([Pp, Dp]; a loop over splits is latency-bound: ~1 us per split), written as the head's
-    output row in its dtype. One kernel instead of XLA's ~6 small reductions + a slice per layer.
-    Splits without keys (m = _INIT_M: unused, or all keys masked) get weight 0; their o is never
-    trusted (an unused split's o is unwritten memory)."""
+def _merge_kernel(window_ref, pos_ref, o_ref, m_ref, l_ref, out_ref, *, G, N, P, Pp, min_tiles):
+    """One program per (token, query head): the flash-decoding merge of the token's p_eff splits, all
+    splits loaded at once ([Pp, Dp]; a loop over splits is latency-bound: ~1 us per split), written as
+    the head's output row in its dtype. One kernel instead of XLA's ~6 small reductions + a slice per
+    layer. Splits past p_eff were never written: their loads are masked to zero weight. (Untried
+    next step: let unused splits store m = _INIT_M so the loads need not wait on p_eff.)"""
     t, hq = pl.program_id(0), pl.program_id(1)
     h, g = hq // G, hq % G
-    p = jnp.minimum(jnp.arange(Pp), P - 1)
+    p_eff = _split_plan(pos_ref[t], window_ref[0], N=N, P=P, min_tiles=min_tiles)[-1]
+    p = jnp.arange(Pp)
+    used = p < p_eff
+    pc = jnp.minimum(p, P - 1)
+    m = jnp.where(used, m_ref[t, h, pc, g], _INIT_M)
+    w = jnp.where(used, jnp.exp(m - jnp.max(m)), 0.0)
+    lsum = jnp.sum(w * jnp.where(used, l_ref[t, h, pc, g], 0.0))
     Dp = out_ref.shape[-1]
-    m = m_ref[t, h, p, g]
-    l = l_ref[t, h, p, g]
-    o = o_ref[t, h, p[:, None], g, jnp.arange(Dp)[None, :]]
-    used = (m > _INIT_M * 0.5) & (jnp.arange(Pp) < P)
-    w = jnp.where(used, jnp.exp(m - jnp.max(jnp.where(used, m, _INIT_M))), 0.0)
-    lsum = jnp.sum(jnp.where(used, w * l, 0.0))
-    out = jnp.sum(jnp.where(used[:, None], w[:, None] * o, 0.0), axis=0) / jnp.where(lsum > 0, lsum, 1.0)
+    o = jnp.where(used[:, None], o_ref[t, h, pc[:, None], g, jnp.arange(Dp)[None, :]], 0.0)
+    out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(lsum > 0, lsum, 1.0)
     out_ref[...] = out.astype(out_ref.dtype)
 
 
@@ -233,17 +227,17 @@ def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
     )(layer, window, block_tables, token_seq, positions, q, k_cache, v_cache)
 
     Pp = _pow2(P)
-    merge = functools.partial(_merge_kernel, G=G, P=P, Pp=Pp)
+    merge = functools.partial(_merge_kernel, G=G, N=N, P=P, Pp=Pp, min_tiles=min_tiles)
     out = pl.pallas_call(
         merge,
         grid=(T, H),
-        in_specs=[full] * 3,
+        in_specs=[full] * 5,
         out_specs=pl.BlockSpec((None, None, Dp), lambda t, h: (t, h, 0)),
         out_shape=jax.ShapeDtypeStruct((T, H, Dp), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(4 if Pp * Dp <= 8192 else 8, 1),
         name=f"paged_decode_merge_P{P}",
-    )(o, m, l)
+    )(window, positions, o, m, l)
     return out if Dp == D else out[..., :D]  # a slice only for head sizes not a power of two
 
 
