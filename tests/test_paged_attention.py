@@ -20,6 +20,10 @@ IMPLS = {"reference": ref.paged_attention,
                                                       num_splits=3, block_k=16, split_min_tiles=1),
          "pallas_triton_prefill": lambda *a, **k: _jit(ptri.paged_attention, a, k, mode="prefill",
                                                        block_q=4, block_k=16)}
+if jax.devices()[0].platform == "cpu":  # the native CPU kernel (an XLA FFI call built at first use)
+    from jaxserve.kernels.paged_attention import cpu_native
+
+    IMPLS["cpu_native"] = lambda *a, **k: _jit(cpu_native.paged_attention, a, k)
 
 
 # f32 tolerance: on a GPU the Pallas kernels' f32 dots run in TF32 (10-bit mantissa), as every
@@ -176,3 +180,21 @@ def test_tiled_prefill_region_matches_oracle(window, softcap):
     want = _oracle(c, 0.3, window, softcap)
     np.testing.assert_allclose(np.asarray(got)[np.asarray(where)], np.asarray(want), atol=TOL, rtol=TOL)
     assert np.isfinite(np.asarray(got)).all()
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="CPU kernel")
+def test_cpu_native_is_the_custom_call_not_the_fallback():
+    import shutil
+
+    from jaxserve.kernels.quant_matmul import cpu_native as lib
+
+    if shutil.which(lib.compiler()) is None:
+        pytest.skip("no C++ compiler: the reference fallback is what runs")
+    target = lib.attention_target()
+    assert target is not None
+    rng = np.random.default_rng(1)
+    c = _case(rng, lens=[9, 4], new=[1, 1])
+    f = jax.jit(lambda q, kc, vc, t, s, p: cpu_native.paged_attention(q, kc, vc, 1, t, s, p, scale=0.5))
+    args = (c["q"], c["k_cache"], c["v_cache"], c["tables"], c["token_seq"], c["positions"])
+    assert target in f.lower(*args).as_text()
+    np.testing.assert_allclose(np.asarray(f(*args)), np.asarray(_oracle(c, 0.5, 0, None)), atol=TOL)

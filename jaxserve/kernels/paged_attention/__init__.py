@@ -3,6 +3,8 @@
   reference      plain jax.numpy; the CPU path and the oracle of every other implementation
   pallas_triton  Pallas on the Triton backend (GPU); runs on CPU in the Pallas interpreter (slow,
                  tests only)
+  cpu_native     per-token attention in the native CPU library (XLA FFI; the runner's CPU decode
+                 region; prompt chunks keep the reference's tiled variant)
 
 `get(name)` returns the implementation's `paged_attention` callable; kernels are imported lazily so
 that importing this package stays light (no Pallas/Triton import on the CPU path).
@@ -15,6 +17,10 @@ from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
 
 
 def get(name: str):
+    if name == "cpu_native":  # CPU-only, outside the shared reference/Pallas registry
+        from jaxserve.kernels.paged_attention import cpu_native
+
+        return cpu_native.paged_attention
     return registry.load(__name__, name, "paged_attention", "paged attention")
 
 
@@ -22,7 +28,7 @@ def get_tiled(name: str, tile: int):
     """The prefill-region implementation: tokens in tiles of `tile` tokens of one sequence each."""
     import functools
 
-    if name == "reference":
+    if name in ("reference", "cpu_native"):
         from jaxserve.kernels.paged_attention import reference
 
         return functools.partial(reference.paged_attention_tiled, tile=tile)

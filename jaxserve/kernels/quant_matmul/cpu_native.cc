@@ -589,7 +589,103 @@ ffi::Error qgemv_impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------- paged decode attention
+// Each query token attends to its own sequence's keys at positions [lo, pos], read in place from the
+// paged cache [L, NB, BS, KV, D] of `layer` (f32); the contract of paged_attention/reference.py,
+// computed per token (the decode region of a step: one token per sequence). Two passes per (token,
+// KV head): scores of the G query heads for every key, then softmax and the weighted sum of values.
+// XLA's own version of this is a while loop of ~10 small ops per chunk of keys and layer.
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 independent lanes: vectorized without fast-math
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+ffi::Error paged_decode_impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tables,
+                             ffi::Buffer<ffi::S32> tseq, ffi::Buffer<ffi::S32> pos,
+                             ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out, float scale,
+                             float softcap) {
+  auto qd = q.dimensions(), cd = kc.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || cd.size() != 5 || td.size() != 2 || vc.dimensions().size() != 5)
+    return ffi::Error::InvalidArgument("paged_decode: q [T, H, D], caches [L, NB, BS, KV, D], tables [S, MB]");
+  const int64_t T = qd[0], H = qd[1], D = qd[2], L = cd[0], NB = cd[1], BS = cd[2], KV = cd[3];
+  const int64_t S = td[0], MB = td[1];
+  if (cd[4] != D || H % KV || (int64_t)tseq.element_count() != T || (int64_t)pos.element_count() != T)
+    return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes");
+  const int64_t li = layer.typed_data()[0];
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("paged_decode: layer index out of range");
+  const int64_t win = window.element_count() ? window.typed_data()[0] : 0;
+  const int64_t G = H / KV, stride = NB * BS * KV * D;
+  const float* K = kc.typed_data() + li * stride;
+  const float* V = vc.typed_data() + li * stride;
+  const int32_t* tab = tables.typed_data();
+  const float* qp = q.typed_data();
+  float* o = out->typed_data();
+  auto task = [&](int64_t i) {
+    const int64_t t = i / KV, h = i % KV;
+    float* ot = o + (t * H + h * G) * D;
+    std::fill(ot, ot + G * D, 0.0f);
+    const int64_t s = tseq.typed_data()[t], p = std::min<int64_t>(pos.typed_data()[t], MB * BS - 1);
+    if (s < 0 || s >= S || p < 0) return;
+    const int64_t lo = win > 0 ? std::max<int64_t>(p - win + 1, 0) : 0, n = p - lo + 1;
+    thread_local std::vector<float> sc;
+    sc.assign(G * n, 0.0f);
+    for (int64_t j = lo; j <= p; ++j) {
+      const int64_t blk = tab[s * MB + j / BS];
+      const bool ok = blk >= 0 && blk < NB;
+      const float* kp = K + ((blk * BS + j % BS) * KV + h) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float v = ok ? dot_f32(qp + (t * H + h * G + g) * D, kp, D) * scale : -INFINITY;
+        if (softcap > 0 && ok) v = std::tanh(v / softcap) * softcap;
+        sc[g * n + j - lo] = v;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* r = sc.data() + g * n;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) m = std::max(m, r[j]);
+      if (!std::isfinite(m)) continue;
+      float sum = 0;
+      for (int64_t j = 0; j < n; ++j) { r[j] = std::exp(r[j] - m); sum += r[j]; }
+      float* og = ot + g * D;
+      for (int64_t j = lo; j <= p; ++j) {
+        const int64_t blk = tab[s * MB + j / BS];
+        if (blk < 0 || blk >= NB) continue;
+        const float* vp = V + ((blk * BS + j % BS) * KV + h) * D;
+        const float w = r[j - lo];
+        for (int64_t d = 0; d < D; ++d) og[d] += w * vp[d];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+    }
+  };
+  const int64_t tasks = T * KV;
+  if (tasks == 1) task(0);
+  else pool().run(tasks, task);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, paged_decode_impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQGemv, qgemv_impl,
                               ffi::Ffi::Bind()

@@ -115,6 +115,9 @@ def load(march: str = "native") -> str | None:
                 lib = ctypes.CDLL(str(build(march)))
                 name = TARGET if march == "native" else f"{TARGET}_{march.replace('-', '_')}"
                 jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.JaxserveQGemv), platform="cpu")
+                # the same library's paged decode attention (kernels/paged_attention/cpu_native.py)
+                jax.ffi.register_ffi_target(name + "_attn", jax.ffi.pycapsule(lib.JaxservePagedDecode),
+                                            platform="cpu")
                 lib.jaxserve_qgemv_isa.restype = ctypes.c_char_p
                 log.info("native CPU quantized matmul: %s (%s)", name, lib.jaxserve_qgemv_isa().decode())
                 _loaded[march] = (name, lib)
@@ -128,6 +131,12 @@ def load(march: str = "native") -> str | None:
 
 def available() -> bool:
     return load() is not None
+
+
+def attention_target() -> str | None:
+    """FFI target of the library's paged decode attention, or None when the library is unavailable."""
+    name = load()
+    return None if name is None else name + "_attn"
 
 
 def isa(march: str = "native") -> str | None:
