@@ -47,3 +47,13 @@ def test_bad_input_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "nope.gguf" in r.stderr and "Traceback" not in r.stderr
     r = _cli("generate", "--block-size", "12", "--prompt", "x")
     assert r.returncode == 2 and "block_size" in r.stderr
+
+
+def test_engine_flags_map_to_the_engine_config():
+    from jaxserve.cli import build_parser, engine_config_from_args
+
+    parse = lambda *a: engine_config_from_args(build_parser().parse_args(["run", *a]))  # noqa: E731
+    assert parse().async_scheduling is True
+    assert parse("--async-scheduling", "off").async_scheduling is False
+    assert parse("--program-store", "off").program_store is False
+    assert parse().program_store is None  # auto: on with one device (runner)

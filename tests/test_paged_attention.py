@@ -192,6 +192,10 @@ def test_cpu_native_is_the_custom_call_not_the_fallback():
         pytest.skip("no C++ compiler: the reference fallback is what runs")
     target = lib.attention_target()
     assert target is not None
+    from jaxserve.kernels import paged_attention as pa
+
+    # the runner's choice: the native kernel on one CPU device, the reference over a mesh
+    assert pa.default_for("cpu") == "cpu_native" and pa.default_for("cpu", one_device=False) == "reference"
     rng = np.random.default_rng(1)
     c = _case(rng, lens=[9, 4], new=[1, 1])
     f = jax.jit(lambda q, kc, vc, t, s, p: cpu_native.paged_attention(q, kc, vc, 1, t, s, p, scale=0.5))

@@ -99,13 +99,8 @@ class ModelRunner:
         from jaxserve.kernels import paged_attention as pa
 
         name = attention if isinstance(attention, str) else None
-        if attention is None and platform == "cpu" and mesh is None:
-            from jaxserve.kernels.quant_matmul import cpu_native
-
-            # The decode region through the native library when it builds (prompt chunks: reference).
-            name = "cpu_native" if cpu_native.available() else None
         if attention is None or name:
-            name = name or pa.default_for(platform)
+            name = name or pa.default_for(platform, one_device=mesh is None)
             attention = pa.get(name)
         self.attention = attention
         # Prompt chunks of mixed steps go through the tiled variant (reference when a custom

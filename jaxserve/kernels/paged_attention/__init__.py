@@ -13,7 +13,19 @@ that importing this package stays light (no Pallas/Triton import on the CPU path
 from __future__ import annotations
 
 from jaxserve.kernels import registry
-from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
+from jaxserve.kernels.registry import IMPLEMENTATIONS  # noqa: F401
+
+
+def default_for(platform: str, *, one_device: bool = True) -> str:
+    """The shared platform policy (registry.default_for), except that on one CPU device the native
+    library's kernel serves the decode region when it builds (over a CPU mesh the custom call would
+    not be partitioned: the reference)."""
+    if platform == "cpu" and one_device:
+        from jaxserve.kernels.quant_matmul import cpu_native
+
+        if cpu_native.available():
+            return "cpu_native"
+    return registry.default_for(platform)
 
 
 def get(name: str):

@@ -13,7 +13,7 @@ Two kernels, both reading the cache in place through the block table (no gather 
   range [lo, pos] is cut into `num_splits` equal runs of key tiles computed at run time from the
   token's own position (flash-decoding), so bs=1 at long context still fills the GPU. Partial
   (m, l, acc) per split (real heads only) are merged by a second small kernel (`_merge_kernel`, one
-  program per token and KV head) that writes the output. Correct for any token layout: every token
+  program per token and query head) that writes the output. Correct for any token layout: every token
   is handled on its own.
 * prefill / mixed (`_prefill_call`): one program per (query tile, KV head). A query tile is up to BQ
   consecutive tokens of one run of the same sequence; its rows are BQ tokens x G heads (GQA packed

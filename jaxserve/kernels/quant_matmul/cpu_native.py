@@ -123,7 +123,7 @@ def load(march: str = "native") -> str | None:
                 _loaded[march] = (name, lib)
             except Exception as e:  # noqa: BLE001 - any failure means: use the dequantized path
                 log.warning("native CPU quantized matmul unavailable (%s); quantized weights are "
-                            "dequantized to f32 instead", e)
+                            "dequantized to f32 instead, and decode attention uses the jnp reference", e)
                 _loaded[march] = None
         got = _loaded[march]
         return got[0] if got else None
