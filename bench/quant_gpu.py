@@ -52,7 +52,7 @@ SMALL_SHAPES = {"small 512x256": (512, 256), "small 1024x128": (1024, 128)}
 MS = (1, 4, 32, 2048)
 SMALL_MS = (1, 4, 32, 64)
 MODES = ("auto", "fma", "gemv")  # 'auto': the plan's default mode for the M
-MODE_MAX_M = {"fma": 8, "gemv": 16}
+MODE_MAX_M = {"fma": 8, "gemv": 16, "bdot": 4}
 
 # Tunable sweeps (timed on the gate/up shape for q4k and q8_0 only, to bound the compile count).
 SWEEP = {
@@ -66,7 +66,11 @@ SWEEP = {
         dict(mode="gemv", block_n=1024, splits="half", rows=16),
         dict(mode="gemv", rows=8), dict(mode="gemv", rows=16), dict(mode="gemv", prefetch=0),
         dict(mode="gemv", prefetch=0, splits="quad"),
-        dict(mode="gemv", reduce="atomic"), dict(mode="gemv", reduce="atomic", splits="double")],
+        dict(mode="gemv", reduce="atomic"), dict(mode="gemv", reduce="atomic", splits="double"),
+        # block-diagonal tensor-core kernel (pallas_bdot.py)
+        dict(mode="bdot", block_n=64), dict(mode="bdot", block_n=256), dict(mode="bdot", splits="half"),
+        dict(mode="bdot", splits="double"), dict(mode="bdot", num_warps=8, block_n=256),
+        dict(mode="bdot", num_warps=2, block_n=64), dict(mode="bdot", num_stages=3)],
     4: [dict(mode="gemv", splits="half"), dict(mode="gemv", splits="double"), dict(mode="gemv", block_n=1024),
         dict(mode="gemv", rows=8), dict(mode="gemv", reduce="atomic"), dict(mode="gemv", prefetch=0),
         dict(mode="dot", splits="double")],

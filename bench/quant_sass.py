@@ -129,6 +129,8 @@ def loop_stats(sass: str, inner_trips: int = 1):
 
 def weights_per_iteration(plan, meta, warps):
     """Weights of W one thread covers per loop iteration (for every row of x at once)."""
+    if plan["mode"] == "bdot":  # one super-step of G slabs per iteration
+        return plan["G"] * meta.slab * plan["bn"] // (32 * warps)
     return plan["u"] * meta.step * plan["bn"] // (32 * warps)
 
 

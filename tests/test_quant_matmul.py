@@ -3,7 +3,8 @@
 On CPU the Pallas Triton-backend kernel runs in the Pallas interpreter (each case compiles an
 interpreted program: ~0.5 s, so shapes stay small); `bench/quant_gpu.py` checks it on the GPU at
 Llama-8B shapes in bf16. "pallas_gemv" is the same entry point in mode 'gemv' (the decode GEMV of
-pallas_gemv.py, M <= 16).
+pallas_gemv.py, M <= 16); "pallas_bdot" mode 'bdot' (the block-diagonal tensor-core decode kernel of
+pallas_bdot.py, M <= 4).
 """
 
 import functools
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels import quant_matmul
-from jaxserve.kernels.quant_matmul import pallas_gemv
+from jaxserve.kernels.quant_matmul import pallas_bdot, pallas_gemv
 from jaxserve.kernels.quant_matmul import pallas_triton as pt
 from jaxserve.kernels.quant_matmul import reference as ref
 from jaxserve.quant import isq
@@ -37,8 +38,9 @@ IMPLS = {
     "reference": _jit(ref.qmatmul),
     "pallas_triton": _jit(pt.qmatmul, interpret=True),
     "pallas_gemv": _jit(pt.qmatmul, interpret=True, mode="gemv", rows=4),  # rows=4: a small interpreted body
+    "pallas_bdot": _jit(pt.qmatmul, interpret=True, mode="bdot"),
 }
-MAX_M = {"pallas_gemv": pallas_gemv.MAX_M}
+MAX_M = {"pallas_gemv": pallas_gemv.MAX_M, "pallas_bdot": pallas_bdot.MAX_M}
 K, N = 576, 96  # K: padded for the 1-bit-plane formats (step 128); N: not a multiple of block_n=64
 
 
@@ -63,6 +65,11 @@ def _check(got, want, rtol=2e-5):
     assert err < rtol, err
 
 
+def _skip_above_max_m(impl, M):
+    if M > MAX_M.get(impl, M):
+        pytest.skip(f"{impl} takes M <= {MAX_M[impl]}")
+
+
 FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k", "int4"]
 
 
@@ -70,8 +77,7 @@ FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 5, 33])
 def test_matches_dequant_oracle(impl, fmt, M):
-    if M > MAX_M.get(impl, M):
-        pytest.skip(f"{impl} takes M <= {MAX_M[impl]}")
+    _skip_above_max_m(impl, M)
     qw = _weight(fmt)
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.float32)
     _check(IMPLS[impl](x, qw), _oracle(x, qw))
@@ -119,11 +125,28 @@ def _float_code_weight(kind, K=256, N=64):
     return build(meta, rng.integers(0, 16, (K, N)), **parts)
 
 
+@pytest.mark.parametrize("mode", ["gemv", "bdot"])
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4", "nvfp4"])
-def test_gemv_float_codes(kind):
+def test_decode_kernels_float_codes(kind, mode):
     qw = jax.device_put(_float_code_weight(kind))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, qw.meta.K)), jnp.float32)
-    _check(pt.qmatmul(x, qw, mode="gemv", interpret=True), _oracle(x, qw))
+    _check(pt.qmatmul(x, qw, mode=mode, interpret=True), _oracle(x, qw))
+
+
+@pytest.mark.parametrize("fmt,M,tun", [
+    ("q4k", 1, dict(block_n=32, splits=2)),  # N in 3 tiles (clamped columns), K split in two
+    ("q6k", 2, dict(block_n=128, splits=1)),  # 16-row slabs, two x rows share the 16 dot rows
+    ("q5_0", 3, {}),  # 1-bit plane: a step is 8 slabs, so the dot grows to 32 rows
+], ids=str)
+def test_bdot_tunables_bf16(fmt, M, tun):
+    """bf16 x: codes of <= 7 bits take the bf16 mantissa trick (code + 128, the bias folded into the
+    offset); the result is bf16, so the tolerance is bf16's."""
+    qw = _weight(fmt)
+    p = pt.plan(qw.meta, M, mode="bdot", **tun)
+    assert p["rows"] >= M * p["G"] and p["G"] * qw.meta.slab % qw.meta.step == 0
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
+    y = pt.qmatmul(x, qw, mode="bdot", interpret=True, **tun)
+    _check(y, _oracle(np.asarray(x, np.float32), qw), rtol=1e-2)
 
 
 @pytest.mark.parametrize("tun", [dict(block_n=16, block_k=256, splits=1),
@@ -142,8 +165,9 @@ def test_stacked_layers_by_index_and_scan(impl):
     x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 256)), jnp.float32)
     for layer in (0, 2):
         _check(IMPLS[impl](x, qs, layer), _oracle(x, qs, layer))
-    fn = ref.qmatmul if impl == "reference" else functools.partial(
-        pt.qmatmul, interpret=True, **({"mode": "gemv", "rows": 4} if impl == "pallas_gemv" else {}))
+    modes = {"pallas_gemv": {"mode": "gemv", "rows": 4}, "pallas_bdot": {"mode": "bdot"}}
+    fn = ref.qmatmul if impl == "reference" else functools.partial(pt.qmatmul, interpret=True,
+                                                                  **modes.get(impl, {}))
     ys = jax.jit(lambda x, qs: jax.lax.scan(lambda c, q: (c, fn(x, q)), 0, qs)[1])(x, qs)
     for i in range(3):
         _check(ys[i], _oracle(x, qs, i))
@@ -153,7 +177,8 @@ def test_stacked_layers_by_index_and_scan(impl):
 @pytest.mark.parametrize("fmt", ["q4k", "q6k"])
 def test_bf16_activations(impl, fmt):
     qw = _weight(fmt)
-    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, K)), jnp.bfloat16)
+    M = 4 if impl == "pallas_bdot" else 5
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((M, K)), jnp.bfloat16)
     y = IMPLS[impl](x, qw)
     assert y.dtype == jnp.bfloat16
     _check(y, _oracle(np.asarray(x, np.float32), qw), rtol=1e-2)
@@ -167,6 +192,7 @@ def test_leading_dims_and_gguf_packed_weight(impl):
     raw = rng.integers(0, 256, (Ng, 110), dtype=np.uint8)
     raw[:, 108:110] = (rng.standard_normal((Ng, 1)) * 0.05).astype(np.float16).view(np.uint8)
     qw = jax.device_put(pack_gguf(11, raw, (Kg, Ng)))
+    _skip_above_max_m(impl, 6)
     x = jnp.asarray(rng.standard_normal((2, 3, Kg)), jnp.float32)
     y = IMPLS[impl](x, qw)
     assert y.shape == (2, 3, Ng)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.kernels.quant_matmul import pallas_gemv
+from jaxserve.kernels.quant_matmul import pallas_bdot, pallas_gemv
 from jaxserve.quant.qweight import QMeta, QWeight, decode_scale, dequantize, leaf_names, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
@@ -207,10 +207,12 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
     small-group in-kernel dots; bf16 GEMM 336 us).
     """
     mode = mode or (DECODE_MODE if M <= DECODE_MAX_M else "xla" if M >= xla_min_m else "dot")
-    if mode not in ("dot", "fma", "xla", "gemv"):
+    if mode not in ("dot", "fma", "xla", "gemv", "bdot"):
         raise ValueError(f"unknown mode {mode!r}")
     if mode == "xla":
         return dict(mode=mode)
+    if mode == "bdot":  # block-diagonal tensor-core decode kernel of pallas_bdot.py
+        return pallas_bdot.plan(meta, M, block_n=block_n, splits=splits, num_warps=num_warps)
     if mode == "gemv":  # decode GEMV kernel of pallas_gemv.py
         return pallas_gemv.plan(meta, M, block_n=block_n, block_k=block_k, splits=splits,
                                 num_warps=num_warps, reduce=reduce, rows=rows, prefetch=prefetch)
@@ -280,9 +282,9 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     M = x2.shape[0]
     p = plan(meta, M, block_m=block_m, block_n=block_n, block_k=block_k, splits=splits, mode=mode,
              num_warps=num_warps, xla_min_m=xla_min_m, reduce=reduce, rows=rows, prefetch=prefetch)
-    if p["mode"] == "gemv":
+    if p["mode"] in ("gemv", "bdot"):
         cp = None if interpret else _compiler_params(p["num_warps"], num_stages or 2)
-        y = pallas_gemv.run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
+        y = (pallas_gemv if p["mode"] == "gemv" else pallas_bdot).run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
                             compiler_params=cp)
         if gscale is not None:
             y = y.astype(jnp.float32) * gscale[layer[0]].astype(jnp.float32)
