@@ -183,6 +183,8 @@ def main(argv=None):
 
         mode, max_m, *reduce = args.qmm_decode.split(":")
         qpt.DECODE_MODE, qpt.DECODE_MAX_M = mode, int(max_m)  # bench knob: what the default would become
+        if mode != "bdot":  # the kernel given, also where the default would take 'bdot'
+            qpt.BDOT_DECODE = None
         if reduce:
             pallas_gemv.DEFAULT_REDUCE = reduce[0]
         print(f"# quant matmul decode kernel: {args.qmm_decode} for M <= {max_m}", flush=True)

@@ -40,8 +40,9 @@ from jax.experimental import pallas as pl
 _INIT_M = -1e30  # finite: a row with no visible key keeps l = 0 and never produces NaN
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 # Decode-kernel defaults (bench/decode.py --attn-decode overrides them for a run): fewest key tiles
-# per split, keys per tile (None: from the head size), warps, pipeline stages.
-DECODE_TUNING = dict(split_min_tiles=4, block_k=None, num_warps=4, num_stages=2)
+# per split, keys per tile (None: from the head size), warps, pipeline stages. split_min_tiles=1
+# measured on the H200 (Llama-8B bs1, context 4096): 197.8 tok/s vs 192.7 with 4; 32k unchanged.
+DECODE_TUNING = dict(split_min_tiles=1, block_k=None, num_warps=4, num_stages=2)
 
 
 def _pow2(n: int) -> int:
