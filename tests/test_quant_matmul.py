@@ -137,8 +137,6 @@ def test_decode_kernels_float_codes(kind, mode):
     ("q4k", 1, dict(block_n=32, splits=2)),  # N in 3 tiles (clamped columns), K split in two
     ("q6k", 2, dict(block_n=128, splits=1)),  # 16-row slabs, two x rows share the 16 dot rows
     ("q5_0", 3, {}),  # 1-bit plane: a step is 8 slabs, so the dot grows to 32 rows
-    ("q4k", 1, dict(block_n=32)),  # one 4-bit plane, N a multiple of block_n: the slab-pair path
-    ("int4", 2, dict(block_n=32)),  # (transposed dot of joined nibble tiles; jnp nibbles here)
 ], ids=str)
 def test_bdot_tunables_bf16(fmt, M, tun):
     """bf16 x: codes of <= 7 bits take the bf16 mantissa trick (code + 128, the bias folded into the

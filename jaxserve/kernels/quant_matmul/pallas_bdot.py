@@ -40,7 +40,6 @@ from jaxserve.quant.qweight import QMeta, minifloat
 NUM_SMS = 132  # H200 / H100 SXM: sizes the split count
 ROWS = 16  # rows of the tensor-core dot
 MAX_M = 4  # at least 4 slabs per dot: below that the factor epilogue dominates
-ASM = True  # the inline-asm nibble path on the GPU (bench knob: off to compare)
 _BF16_128 = 0x4300  # bf16 bits of 128.0: the low 7 mantissa bits take a code
 
 
@@ -91,35 +90,6 @@ def _bias(meta: QMeta, wdt) -> int:
     return 0
 
 
-# One 4-bit plane's byte tile -> one slab's codes + 128 as bf16, four bytes per instance: PRMT spreads
-# bytes 0,1 (2,3) of a word into its 16-bit halves, one LOP3 masks the nibble and ORs in 128.0's
-# bits; the high nibbles shift the word first. 4-5 instructions per 4 weights; Triton's lowering of
-# the same jnp ops (extend, shift, mask, or, truncate) costs ~3x that. (Two calls: jax 0.10-0.11
-# lowers a multi-result inline asm wrongly.)
-_NIBBLE_ASM = """{{
-.reg .b32 t0, t1, w;
-{shift}
-prmt.b32 t0, w, 0, 0x4140;
-prmt.b32 t1, w, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-}}"""
-
-
-def _nibbles_bf16(tile, high: bool, interpret: bool):
-    """uint8 [S, bn] -> its low (or high) nibbles + 128 as bf16 [S, bn] (the interpreter: jnp ops)."""
-    if interpret:
-        v = tile.astype(jnp.int32)
-        v = (v >> 4) if high else (v & 15)
-        return lax.bitcast_convert_type((v | _BF16_128).astype(jnp.int16), jnp.bfloat16)
-    from jax.experimental.pallas import triton as pltr  # deprecated backend: import late
-
-    asm = _NIBBLE_ASM.format(shift="shr.u32 w, $2, 4;" if high else "mov.b32 w, $2;")
-    out = jax.ShapeDtypeStruct(tile.shape, jnp.bfloat16)
-    return pltr.elementwise_inline_asm(asm, args=[tile], constraints="=r,=r,r", pack=4,
-                                       result_shape_dtypes=[out])[0]
-
-
 def _codes(planes, meta: QMeta, t: int, wdt, bias: int):
     """Slab t of the super-step as [S, bn] in wdt: code + 128 (bf16 trick) or the exact value."""
     T = meta.step // meta.slab
@@ -142,28 +112,7 @@ def _codes(planes, meta: QMeta, t: int, wdt, bias: int):
     return (_int_f32(code) - jnp.float32(zp)).astype(wdt)
 
 
-def _pair_dots(q_ref, layer, r0, xs, cols, rt, *, S, L, T, G, R, bn, interpret):
-    """One 4-bit plane, bf16 (GPU): per byte tile [S, bn] both its slabs in one dot, in the
-    transposed orientation: codes^T [bn, 2S] (rows of K interleaved lo/hi: k' = 2i + h, built by a
-    join of the two nibble tiles) times the block-diagonal x [R, 2S] in the same order. The join and
-    transposes keep Triton from moving the layout change for the tensor core up to the bytes (where
-    it costs a shared-memory load per byte). Returns the [R, bn] f32 partial sums of the super-step."""
-    f32 = jnp.float32
-    zero = jnp.zeros_like(xs)
-    part = jnp.zeros((bn, R), f32)
-    for t0 in range(0, G, 2):
-        st, blk = t0 // T, (t0 % T) // 2
-        tile = q_ref[layer, pl.ds((r0 + st * L) // 2 + blk * S, S), cols]
-        lo, hi = (_nibbles_bf16(tile, high=h, interpret=interpret) for h in (False, True))
-        ct = jnp.stack([lo.T, hi.T], axis=-1).reshape(bn, 2 * S)
-        a = jnp.stack([jnp.where((rt == t0)[:, None], xs, zero), jnp.where((rt == t0 + 1)[:, None], xs, zero)],
-                      axis=-1).reshape(R, 2 * S).astype(jnp.bfloat16)
-        part = lax.dot_general(ct, a, (((1,), (1,)), ((), ())), preferred_element_type=f32) + part
-    return part.T
-
-
-def _kernel(layer_ref, x_ref, *refs, names, meta, M, G, R, bn, N, per, nsup, wdt, bias, nslab, use_asm,
-            interpret):
+def _kernel(layer_ref, x_ref, *refs, names, meta, M, G, R, bn, N, per, nsup, wdt, bias, nslab):
     o_ref = refs[-1]
     refs = dict(zip(names, refs[:-1]))
     jn, ks = pl.program_id(0), pl.program_id(1)
@@ -188,14 +137,9 @@ def _kernel(layer_ref, x_ref, *refs, names, meta, M, G, R, bn, N, per, nsup, wdt
         else:
             xs = x_ref[(jnp.minimum(rm, M - 1) * nslab + g0 + rt)[:, None], jnp.arange(S)[None, :]]
             xs = jnp.where(valid[:, None], xs, jnp.zeros_like(xs))
+        part = jnp.zeros((R, bn), f32)
         planes = {}
-        if use_asm:  # pairs of slabs from one byte tile, transposed (see _pair_dot)
-            part = _pair_dots(refs["q0"], layer, r0, xs, cols, rt, S=S, L=L, T=T, G=G, R=R, bn=bn,
-                              interpret=interpret)
-            G_loop = 0
-        else:
-            part, G_loop = jnp.zeros((R, bn), f32), G
-        for t in range(G_loop):
+        for t in range(G):
             st = t // T
             for p, b in enumerate(meta.bits):  # byte tiles [S, bn], each loaded once, when first used
                 C = 8 // b
@@ -240,9 +184,7 @@ def run(x2, names, leaves, layer, meta: QMeta, p: dict, *, interpret: bool, comp
     xp = jnp.pad(x2.astype(wdt), ((0, 0), (0, meta.Kp - K))).reshape(M * nslab, meta.slab)
     bn, Np, splits = p["bn"], p["Np"], p["splits"]
     kernel = functools.partial(_kernel, names=names, meta=meta, M=M, G=p["G"], R=p["rows"], bn=bn, N=meta.N,
-                               per=p["per"], nsup=p["nsup"], wdt=wdt, bias=_bias(meta, wdt), nslab=nslab,
-                               use_asm=ASM and meta.bits == (4,) and _bias(meta, wdt) > 0
-                               and meta.N % bn == 0 and p["G"] % 2 == 0, interpret=interpret)
+                               per=p["per"], nsup=p["nsup"], wdt=wdt, bias=_bias(meta, wdt), nslab=nslab)
     full = pl.BlockSpec()
     odt = jnp.float32 if splits > 1 else out_dtype
     out = pl.pallas_call(
