@@ -188,15 +188,16 @@ def main(argv=None):
         if reduce:
             pallas_gemv.DEFAULT_REDUCE = reduce[0]
         print(f"# quant matmul decode kernel: {args.qmm_decode} for M <= {max_m}", flush=True)
-    if args.attn_decode:
+    if args.attn_decode:  # decode-attention tunables: keyword arguments of the Pallas entry point
         from jaxserve.kernels.paged_attention import pallas_triton as apt
 
         for kv in args.attn_decode.split(","):
-            k, v = kv.split("=")
-            if k not in apt.DECODE_TUNING:
-                raise SystemExit(f"--attn-decode: unknown key {k!r} (one of {sorted(apt.DECODE_TUNING)})")
-            apt.DECODE_TUNING[k] = int(v)
-        print(f"# decode attention tuning: {apt.DECODE_TUNING}", flush=True)
+            if kv.split("=")[0] not in apt.DECODE_TUNING:
+                raise SystemExit(f"--attn-decode: unknown key {kv!r} (one of {sorted(apt.DECODE_TUNING)})")
+        extra = ":" + args.attn_decode.replace(",", ":")
+        args.attention = ",".join(s + extra if s.startswith("pallas_triton") else s
+                                  for s in args.attention.split(","))
+        print(f"# decode attention: {args.attention}", flush=True)
     weights = None
     if "none" in quants:
         t = time.perf_counter()
