@@ -42,7 +42,8 @@ _INIT_M = -1e30  # finite: a row with no visible key keeps l = 0 and never produ
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 # Decode-kernel defaults, read-only (bench/decode.py --attn-decode passes other values as keyword
 # arguments of paged_attention): fewest key tiles per split, keys per tile (None: from the head
-# size), warps, pipeline stages. split_min_tiles=1 measured on the H200 (Llama-8B bs1, context 4096): 197.8 tok/s vs 192.7 with 4; 32k unchanged.
+# size), warps, pipeline stages. split_min_tiles=1 measured on the H200 (Llama-8B bs1, context
+# 4096): 197.8 tok/s vs 192.7 with 4; 32k unchanged.
 DECODE_TUNING = MappingProxyType(dict(split_min_tiles=1, block_k=None, num_warps=4, num_stages=2))
 
 
