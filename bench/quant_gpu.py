@@ -1,7 +1,7 @@
 """Quantized matmul on the GPU: check the Pallas kernel against the reference, then time it. One call.
 
     python3 bench/quant_gpu.py [--small] [--json PATH] [--only check|time|all] [--formats q4k,q8_0]
-                               [--modes auto,fma,gemv] [--ms 1,4,32] [--sweep all|none|gemv,...]
+                               [--modes auto,fma,gemv,bdot,kmajor] [--ms 1,4,32] [--sweep all|none|gemv,...]
 
 Imports only jax, numpy and jaxserve (no gguf). Weights: Llama-3.1-8B shapes (q 4096x4096,
 gate/up 4096x14336, down 14336x4096), random Gaussian, quantized by jaxserve.quant.isq into q4k,
@@ -9,7 +9,8 @@ q4_0, q8_0, q6k (a [K, 1024] slice is quantized on the host and tiled along N: r
 content does not matter, and it keeps host time to seconds).
 
 1. Correctness: bf16 activations, M in {1, 4, 32}, every mode of --modes that takes the M ('auto' =
-   the plan's default; 'fma' M <= 8, 'gemv' M <= 16); oracle = x (f32) @ dequantize(W) at 'highest'
+   the plan's default; 'fma' M <= 8, 'gemv' M <= 16, 'bdot' M <= 4; 'kmajor' = the experimental
+   K-contiguous kernel of pallas_kmajor.py, one 4-bit plane, M <= 2, on its own repacked code copy); oracle = x (f32) @ dequantize(W) at 'highest'
    precision. Printed: ||y - ref|| / ||ref|| (bf16 output: expect ~3e-3), and whether finite.
 2. Timing: one jitted program runs `--calls` matmuls in a fori_loop (a data dependence through x
    keeps XLA from hoisting the loop-invariant call); each call uses another copy of the weight,
@@ -41,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.configs import median_call_seconds  # noqa: E402
+from jaxserve.kernels.quant_matmul import pallas_kmajor as km  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_triton as pt  # noqa: E402
 from jaxserve.kernels.quant_matmul import reference as ref  # noqa: E402
 from jaxserve.quant import isq  # noqa: E402
@@ -52,7 +54,7 @@ SMALL_SHAPES = {"small 512x256": (512, 256), "small 1024x128": (1024, 128)}
 MS = (1, 4, 32, 2048)
 SMALL_MS = (1, 4, 32, 64)
 MODES = ("auto", "fma", "gemv")  # 'auto': the plan's default mode for the M
-MODE_MAX_M = {"fma": 8, "gemv": 16, "bdot": 4}
+MODE_MAX_M = {"fma": 8, "gemv": 16, "bdot": 4, "kmajor": 2}
 
 # Tunable sweeps (timed on the gate/up shape for q4k and q8_0 only, to bound the compile count).
 SWEEP = {
@@ -70,7 +72,10 @@ SWEEP = {
         # block-diagonal tensor-core kernel (pallas_bdot.py)
         dict(mode="bdot", block_n=64), dict(mode="bdot", block_n=256), dict(mode="bdot", splits="half"),
         dict(mode="bdot", splits="double"), dict(mode="bdot", num_warps=8, block_n=256),
-        dict(mode="bdot", num_warps=2, block_n=64), dict(mode="bdot", num_stages=3)],
+        dict(mode="bdot", num_warps=2, block_n=64), dict(mode="bdot", num_stages=3),
+        # the experimental K-contiguous kernel (pallas_kmajor.py; q4k only here)
+        dict(mode="kmajor", block_n=128), dict(mode="kmajor", num_warps=8, block_n=128),
+        dict(mode="kmajor", splits=4), dict(mode="kmajor", splits=16), dict(mode="kmajor", num_stages=3)],
     4: [dict(mode="gemv", splits="half"), dict(mode="gemv", splits="double"), dict(mode="gemv", block_n=1024),
         dict(mode="gemv", rows=8), dict(mode="gemv", reduce="atomic"), dict(mode="gemv", prefetch=0),
         dict(mode="dot", splits="double")],
@@ -110,8 +115,29 @@ def rel_err(got, want):
 
 
 # ------------------------------------------------------------------------------------------ checks
-def _mode_ok(mode, M):
+def _mode_ok(mode, M, meta=None):
+    if mode == "kmajor" and meta is not None and not km.supports(meta, M):
+        return False
     return M <= MODE_MAX_M.get(mode, M)
+
+
+def call(x, q, layer=None, kw=None, interpret=False):
+    """One matmul: kw None = the jnp reference; mode 'kmajor' = the experimental K-contiguous kernel
+    (q is then (QWeight, its K-contiguous code copy)); else pallas_triton.qmatmul(**kw)."""
+    qw, qk = q if isinstance(q, tuple) else (q, None)
+    if kw is None:
+        return ref.qmatmul(x, qw, layer=layer)
+    if kw.get("mode") == "kmajor":
+        return km.qmatmul(x, qw, qk, layer=layer, interpret=interpret,
+                          **{k: v for k, v in kw.items() if k != "mode"})
+    return pt.qmatmul(x, qw, layer=layer, interpret=interpret, **kw)
+
+
+def with_kmajor(qw, modes):
+    """(qw, K-contiguous copy) when a kmajor variant may run on it, else qw."""
+    if "kmajor" in modes and km.supports(qw.meta, 1):
+        return qw, jax.jit(km.repack)(qw)
+    return qw
 
 
 def _mode_kw(mode):
@@ -120,7 +146,7 @@ def _mode_kw(mode):
 
 def _modes_for(meta, M, modes):
     """The modes of --modes that take M; 'auto' dropped where the plan picks a mode listed too."""
-    out = [m for m in modes if _mode_ok(m, M)]
+    out = [m for m in modes if _mode_ok(m, M, meta)]
     if "auto" in out and pt.plan(meta, M)["mode"] in out:
         out.remove("auto")
     return out
@@ -132,6 +158,7 @@ def run_checks(formats, shapes, small, interpret, modes):
         for sname, (K, N) in shapes.items():
             qw = jax.device_put(make_weight(fmt, K, N))
             w32 = jax.jit(dequantize)(qw)
+            q = with_kmajor(qw, modes)
             for M in (1, 4, 32):
                 x = jax.random.normal(jax.random.PRNGKey(M), (M, K), jnp.bfloat16)
                 with jax.default_matmul_precision("highest"):
@@ -140,10 +167,7 @@ def run_checks(formats, shapes, small, interpret, modes):
                                                     for m in _modes_for(qw.meta, M, modes)]
                 for label, kw in variants:
                     try:
-                        if kw is None:
-                            got = jax.jit(ref.qmatmul)(x, qw)
-                        else:
-                            got = jax.jit(lambda x, q, kw=kw: pt.qmatmul(x, q, interpret=interpret, **kw))(x, qw)
+                        got = jax.jit(lambda x, q, kw=kw: call(x, q, kw=kw, interpret=interpret))(x, q)
                         err, finite = rel_err(got, want)
                         ok = finite and err < 1e-2
                         print(f"{fmt:5s} {sname:20s} M={M:<4d} {label:16s} rel err {err:.2e} "
@@ -154,7 +178,7 @@ def run_checks(formats, shapes, small, interpret, modes):
                         print(f"{fmt} {sname} M={M} {label}: ERROR {type(e).__name__}: {str(e)[:1500]}", flush=True)
                         emit(dict(kind="check", fmt=fmt, shape=sname, M=M, impl=label,
                                   error=f"{type(e).__name__}: {e}"[:600]))
-            del qw, w32
+            del qw, w32, q
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -209,7 +233,7 @@ def run_timing(formats, shapes, ms, small, interpret, reps, calls, modes, sweep)
         for fmt in formats:
             base = make_weight(fmt, K, N)
             L = int(min(64, max(2, math.ceil(target / base.nbytes))))
-            qs = jax.device_put(jax.tree.map(lambda a: np.stack([a] * L), base))
+            qs = with_kmajor(jax.device_put(jax.tree.map(lambda a: np.stack([a] * L), base)), modes)
             wbytes = base.nbytes
             for M in ms:
                 flops = 2 * M * K * N
@@ -217,12 +241,12 @@ def run_timing(formats, shapes, ms, small, interpret, reps, calls, modes, sweep)
                 variants = [_mode_kw(m) for m in _modes_for(base.meta, M, modes)]
                 if sweep != set() and sname == sweep_shape and fmt in ("q4k", "q8_0"):
                     variants += [_resolve(kw, base.meta, M) for kw in SWEEP.get(M, [])
-                                 if _mode_ok(kw.get("mode", "auto"), M)
+                                 if _mode_ok(kw.get("mode", "auto"), M, base.meta)
                                  and (sweep is None or kw.get("mode", "auto") in sweep)]
-                impls = [(_label(kw), lambda x, q, layer, kw=kw: pt.qmatmul(x, q, layer=layer, interpret=interpret, **kw))
+                impls = [(_label(kw), lambda x, q, layer, kw=kw: call(x, q, layer, kw, interpret))
                          for kw in variants]
                 if fmt == "q4k" and M != 2048 or small:
-                    impls.append(("reference (XLA dequant)", ref.qmatmul))
+                    impls.append(("reference (XLA dequant)", lambda x, q, layer: call(x, q, layer)))
                 for label, fn in impls:
                     try:
                         t = bench(q_loop(fn, calls, L), (x, qs), reps) / calls

@@ -64,13 +64,24 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
 
     R.lowering.lower_jaxpr_to_triton_module = capture
     pt._compiler_params = cp
+    kmajor = kw.get("mode") == "kmajor"  # the experimental K-contiguous kernel (pallas_kmajor.py)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            jax.jit(lambda x, q: pt.qmatmul(x, q, interpret=False, **kw)).trace(x, qw).lower(
-                lowering_platforms=("cuda",))
+            if kmajor:
+                from jaxserve.kernels.quant_matmul import pallas_kmajor as km
+
+                kkw = {k: v for k, v in kw.items() if k != "mode"}
+                qk = km.repack(qw)
+                jax.jit(lambda x, q, qk: km.qmatmul(x, q, qk, interpret=False, **kkw)).trace(x, qw, qk).lower(
+                    lowering_platforms=("cuda",))
+            else:
+                jax.jit(lambda x, q: pt.qmatmul(x, q, interpret=False, **kw)).trace(x, qw).lower(
+                    lowering_platforms=("cuda",))
     finally:
         R.lowering.lower_jaxpr_to_triton_module = orig
         pt._compiler_params = orig_cp
+    if kmajor:
+        return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=kw.get("block_n", 64)), qw.meta
     plan = pt.plan(qw.meta, M, **{k: v for k, v in kw.items() if k not in ("num_stages",)})
     return got[-1], params[-1][0], params[-1][1], plan, qw.meta
 
@@ -129,6 +140,8 @@ def loop_stats(sass: str, inner_trips: int = 1):
 
 def weights_per_iteration(plan, meta, warps):
     """Weights of W one thread covers per loop iteration (for every row of x at once)."""
+    if plan["mode"] == "kmajor":  # one run of 256 rows per iteration
+        return 256 * plan["bn"] // (32 * warps)
     if plan["mode"] == "bdot":  # one super-step of G slabs per iteration
         return plan["G"] * meta.slab * plan["bn"] // (32 * warps)
     return plan["u"] * meta.step * plan["bn"] // (32 * warps)

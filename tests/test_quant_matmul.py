@@ -232,3 +232,19 @@ def test_registry_and_errors():
     with pytest.raises(ValueError, match="K="):
         pt.qmatmul(jnp.zeros((1, 100)), _weight("q4k"))
     assert stack([qs[0], qs[1]]).shape == (2, 256, 64)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4"])
+@pytest.mark.parametrize("M,dtype", [(1, "float32"), (2, "float32"), (1, "bfloat16")])
+def test_kmajor_experiment(fmt, M, dtype):
+    """The experimental K-contiguous 4-bit kernel (pallas_kmajor.py): its repacked code copy and
+    the kernel (interpreted) against the oracle; a stacked weight by layer index too."""
+    from jaxserve.kernels.quant_matmul import pallas_kmajor as km
+
+    qs = _weight(fmt, k=512, n=64, layers=2)
+    assert km.supports(qs.meta, M) and not km.supports(_weight("q6k").meta, 1)
+    qk = km.repack(qs)
+    assert qk.shape == (2, 64, 256) and qk.dtype == jnp.uint8
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), dtype)
+    y = km.qmatmul(x, qs, qk, layer=1, block_n=32, interpret=True)
+    _check(y, _oracle(np.asarray(x, np.float32), qs, 1), rtol=2e-5 if dtype == "float32" else 1e-2)
