@@ -10,7 +10,9 @@ content does not matter, and it keeps host time to seconds).
 
 1. Correctness: bf16 activations, M in {1, 4, 32}, every mode of --modes that takes the M ('auto' =
    the plan's default; 'fma' M <= 8, 'gemv' M <= 16, 'bdot' M <= 4; 'kmajor' = the experimental
-   K-contiguous kernel of pallas_kmajor.py, one 4-bit plane, M <= 2, on its own repacked code copy); oracle = x (f32) @ dequantize(W) at 'highest'
+   K-contiguous kernel of pallas_kmajor.py, one 4-bit plane, M <= 2, on its own repacked code copy;
+   'dp4a' = the experimental int8-x integer-dot kernel of pallas_dp4a.py on the same copy, M <= 4:
+   its x is rounded to int8, so expect ~5e-3 here, not the others' bf16 rounding); oracle = x (f32) @ dequantize(W) at 'highest'
    precision. Printed: ||y - ref|| / ||ref|| (bf16 output: expect ~3e-3), and whether finite.
 2. Timing: one jitted program runs `--calls` matmuls in a fori_loop (a data dependence through x
    keeps XLA from hoisting the loop-invariant call); each call uses another copy of the weight,
@@ -42,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.configs import median_call_seconds  # noqa: E402
+from jaxserve.kernels.quant_matmul import pallas_dp4a as dp  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_kmajor as km  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_triton as pt  # noqa: E402
 from jaxserve.kernels.quant_matmul import reference as ref  # noqa: E402
@@ -54,7 +57,8 @@ SMALL_SHAPES = {"small 512x256": (512, 256), "small 1024x128": (1024, 128)}
 MS = (1, 4, 32, 2048)
 SMALL_MS = (1, 4, 32, 64)
 MODES = ("auto", "fma", "gemv")  # 'auto': the plan's default mode for the M
-MODE_MAX_M = {"fma": 8, "gemv": 16, "bdot": 4, "kmajor": 2}
+MODE_MAX_M = {"fma": 8, "gemv": 16, "bdot": 4, "kmajor": 2, "dp4a": 4}
+KMAJOR = ("kmajor", "dp4a")  # the experimental kernels over the K-contiguous code copy
 
 # Tunable sweeps (timed on the gate/up shape for q4k and q8_0 only, to bound the compile count).
 SWEEP = {
@@ -75,7 +79,11 @@ SWEEP = {
         dict(mode="bdot", num_warps=2, block_n=64), dict(mode="bdot", num_stages=3),
         # the experimental K-contiguous kernel (pallas_kmajor.py; q4k only here)
         dict(mode="kmajor", block_n=128), dict(mode="kmajor", num_warps=8, block_n=128),
-        dict(mode="kmajor", splits=4), dict(mode="kmajor", splits=16), dict(mode="kmajor", num_stages=3)],
+        dict(mode="kmajor", splits=4), dict(mode="kmajor", splits=16), dict(mode="kmajor", num_stages=3),
+        # the experimental int8-x DP4A kernel (pallas_dp4a.py; q4k only here)
+        dict(mode="dp4a", block_n=64), dict(mode="dp4a", block_n=256), dict(mode="dp4a", num_warps=2),
+        dict(mode="dp4a", num_warps=8, block_n=256), dict(mode="dp4a", splits=4), dict(mode="dp4a", splits=16),
+        dict(mode="dp4a", num_stages=3)],
     4: [dict(mode="gemv", splits="half"), dict(mode="gemv", splits="double"), dict(mode="gemv", block_n=1024),
         dict(mode="gemv", rows=8), dict(mode="gemv", reduce="atomic"), dict(mode="gemv", prefetch=0),
         dict(mode="dot", splits="double")],
@@ -116,7 +124,7 @@ def rel_err(got, want):
 
 # ------------------------------------------------------------------------------------------ checks
 def _mode_ok(mode, M, meta=None):
-    if mode == "kmajor" and meta is not None and not km.supports(meta, M):
+    if mode in KMAJOR and meta is not None and not (km if mode == "kmajor" else dp).supports(meta, M):
         return False
     return M <= MODE_MAX_M.get(mode, M)
 
@@ -127,15 +135,15 @@ def call(x, q, layer=None, kw=None, interpret=False):
     qw, qk = q if isinstance(q, tuple) else (q, None)
     if kw is None:
         return ref.qmatmul(x, qw, layer=layer)
-    if kw.get("mode") == "kmajor":
-        return km.qmatmul(x, qw, qk, layer=layer, interpret=interpret,
-                          **{k: v for k, v in kw.items() if k != "mode"})
+    if kw.get("mode") in KMAJOR:
+        fn = km.qmatmul if kw["mode"] == "kmajor" else dp.qmatmul
+        return fn(x, qw, qk, layer=layer, interpret=interpret, **{k: v for k, v in kw.items() if k != "mode"})
     return pt.qmatmul(x, qw, layer=layer, interpret=interpret, **kw)
 
 
 def with_kmajor(qw, modes):
     """(qw, K-contiguous copy) when a kmajor variant may run on it, else qw."""
-    if "kmajor" in modes and km.supports(qw.meta, 1):
+    if set(KMAJOR) & set(modes) and km.supports(qw.meta, 1):
         return qw, jax.jit(km.repack)(qw)
     return qw
 

@@ -64,15 +64,16 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
 
     R.lowering.lower_jaxpr_to_triton_module = capture
     pt._compiler_params = cp
-    kmajor = kw.get("mode") == "kmajor"  # the experimental K-contiguous kernel (pallas_kmajor.py)
+    kmajor = kw.get("mode") in ("kmajor", "dp4a")  # the experimental K-contiguous kernels
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             if kmajor:
-                from jaxserve.kernels.quant_matmul import pallas_kmajor as km
+                from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_kmajor as km
 
                 kkw = {k: v for k, v in kw.items() if k != "mode"}
                 qk = km.repack(qw)
-                jax.jit(lambda x, q, qk: km.qmatmul(x, q, qk, interpret=False, **kkw)).trace(x, qw, qk).lower(
+                fn = km.qmatmul if kw["mode"] == "kmajor" else pallas_dp4a.qmatmul
+                jax.jit(lambda x, q, qk: fn(x, q, qk, interpret=False, **kkw)).trace(x, qw, qk).lower(
                     lowering_platforms=("cuda",))
             else:
                 jax.jit(lambda x, q: pt.qmatmul(x, q, interpret=False, **kw)).trace(x, qw).lower(
@@ -81,7 +82,8 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
         R.lowering.lower_jaxpr_to_triton_module = orig
         pt._compiler_params = orig_cp
     if kmajor:
-        return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=kw.get("block_n", 64)), qw.meta
+        bn = kw.get("block_n", 64 if kw["mode"] == "kmajor" else 128)
+        return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=bn), qw.meta
     plan = pt.plan(qw.meta, M, **{k: v for k, v in kw.items() if k not in ("num_stages",)})
     return got[-1], params[-1][0], params[-1][1], plan, qw.meta
 

@@ -248,3 +248,22 @@ def test_kmajor_experiment(fmt, M, dtype):
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), dtype)
     y = km.qmatmul(x, qs, qk, layer=1, block_n=32, interpret=True)
     _check(y, _oracle(np.asarray(x, np.float32), qs, 1), rtol=2e-5 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_dp4a_experiment(fmt, M):
+    """The experimental integer-dot kernel (pallas_dp4a.py, interpreted): x is rounded to int8 per 32
+    rows, so the oracle is that function exactly, x_hat @ W with x_hat the dequantized int8 x; and it
+    stays within 2e-2 of x @ W."""
+    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
+    from jaxserve.kernels.quant_matmul import pallas_kmajor as km
+
+    qw = _weight(fmt, k=512, n=64)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), jnp.float32)
+    y = np.asarray(dp.qmatmul(x, qw, km.repack(qw), block_n=32, interpret=True), np.float64)
+    xw, dx, _ = dp.quantize_x(x)
+    xq = np.asarray(jax.lax.bitcast_convert_type(xw, jnp.int8), np.float64).reshape(M, 512)
+    x_hat = xq * np.repeat(np.asarray(dx, np.float64), dp.SUB, axis=1)
+    _check(y, _oracle(x_hat, qw))
+    _check(y, _oracle(x, qw), rtol=2e-2)
