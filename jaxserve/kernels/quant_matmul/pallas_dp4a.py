@@ -29,11 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors
+from jaxserve.kernels.quant_matmul import pallas_kmajor as km
 from jaxserve.kernels.quant_matmul.pallas_kmajor import RUN
-from jaxserve.quant.qweight import QMeta, QWeight, leaf_names
+from jaxserve.quant.qweight import QMeta, QWeight
 
 SUB = 32  # rows per int8 scale of x
-NUM_SMS = 132
 MAX_M = 4
 
 
@@ -122,43 +122,15 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=128, splits=None, num_war
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
-    *lead, K = x.shape
-    x2 = x.reshape(-1, K)
+    x2, names, leaves, qk, layer = km.prepare(x, qw, qk, layer, supports, "dp4a")
     M = x2.shape[0]
-    if not supports(meta, M):
-        raise ValueError(f"dp4a: unsupported {meta.fmt} bits={meta.bits} Kp={meta.Kp} group={meta.group} M={M}")
-    names = tuple(n for n in leaf_names(meta) if not n.startswith("q"))
-    leaves = [jnp.asarray(qw.arrays[n]) for n in names]
-    if not qw.batch_shape:
-        leaves, qk, layer = [a[None] for a in leaves], qk[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    xw, dx, sx = quantize_x(jnp.pad(x2, ((0, 0), (0, meta.Kp - K))))
+    xw, dx, sx = quantize_x(jnp.pad(x2, ((0, 0), (0, meta.Kp - x2.shape[1]))))
     bn = int(block_n)
-    if meta.N % bn:
-        raise ValueError(f"dp4a: N={meta.N} is not a multiple of block_n={bn}")
-    nruns = meta.Kp // RUN
-    tiles = meta.N // bn
-    if splits is None:
-        splits = max(1, min(nruns, -(-8 * NUM_SMS // tiles)))
-    per = -(-nruns // splits)
-    splits = -(-nruns // per)
+    tiles, splits, per = km.split_plan(meta, bn, splits, "dp4a")
     zp = 0 if meta.offset == "zero" else meta.zp
-    kernel = functools.partial(_kernel, names=names, meta=meta, M=M, bn=bn, per=per, nruns=nruns, zp=zp,
-                               interpret=interpret)
-    cp = None
-    if not interpret:
-        from jaxserve.kernels.quant_matmul.pallas_triton import _compiler_params
-
-        cp = _compiler_params(num_warps, num_stages)
-    full = pl.BlockSpec()
-    out = pl.pallas_call(
-        kernel,
-        grid=(tiles, splits),
-        in_specs=[full] * (5 + len(leaves)),
-        out_specs=full,
-        out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), jnp.float32),
-        interpret=interpret,
-        compiler_params=cp,
-        name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}",
-    )(layer, xw, dx, sx, words(qk), *leaves)
-    return jnp.sum(out, axis=0).astype(x.dtype).reshape(*lead, meta.N)
+    kernel = functools.partial(_kernel, names=names, meta=meta, M=M, bn=bn, per=per, nruns=meta.Kp // RUN,
+                               zp=zp, interpret=interpret)
+    out = km.launch(kernel, (layer, xw, dx, sx, words(qk), *leaves), grid=(tiles, splits), M=M, N=meta.N,
+                    interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                    name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}")
+    return jnp.sum(out, axis=0).astype(x.dtype).reshape(*x.shape[:-1], meta.N)

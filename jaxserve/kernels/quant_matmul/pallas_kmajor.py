@@ -106,51 +106,61 @@ def _kernel(layer_ref, x_ref, qk_ref, *refs, names, meta, M, bn, per, nruns, wdt
         o_ref[ks, m, pl.ds(n0, bn)] = y.astype(o_ref.dtype)
 
 
-def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=64, splits=None, num_warps=4, num_stages=2,
-            interpret=None):
-    """x [..., K] @ W [K, N] with W's codes from qk (see `repack`) and its factors from qw."""
+def prepare(x, qw: QWeight, qk, layer, supported, what: str):
+    """Shared argument handling of the K-contiguous kernels: (x2 [M, K], factor names, factor leaves,
+    qk, layer int32 [1]) with unstacked weights given a layer axis."""
     meta = qw.meta
-    if interpret is None:
-        interpret = jax.devices()[0].platform == "cpu"
-    *lead, K = x.shape
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    if not supports(meta, M):
-        raise ValueError(f"kmajor: unsupported {meta.fmt} bits={meta.bits} Kp={meta.Kp} group={meta.group} M={M}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if not supported(meta, x2.shape[0]):
+        raise ValueError(f"{what}: unsupported {meta.fmt} bits={meta.bits} Kp={meta.Kp} group={meta.group} "
+                         f"M={x2.shape[0]}")
     names = tuple(n for n in leaf_names(meta) if not n.startswith("q"))
     leaves = [jnp.asarray(qw.arrays[n]) for n in names]
     if not qw.batch_shape:
         leaves, qk, layer = [a[None] for a in leaves], qk[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    wdt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
-    xp = jnp.pad(x2.astype(wdt), ((0, 0), (0, meta.Kp - K)))
-    bn = int(block_n)
+    return x2, names, leaves, qk, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def split_plan(meta: QMeta, bn: int, splits, what: str):
+    """(column tiles, K splits, runs per split) for block_n = bn: ~8 programs per SM."""
     if meta.N % bn:
-        raise ValueError(f"kmajor: N={meta.N} is not a multiple of block_n={bn}")
-    nruns = meta.Kp // RUN
-    tiles = meta.N // bn
+        raise ValueError(f"{what}: N={meta.N} is not a multiple of block_n={bn}")
+    nruns, tiles = meta.Kp // RUN, meta.N // bn
     if splits is None:
         splits = max(1, min(nruns, -(-8 * NUM_SMS // tiles)))
     per = -(-nruns // splits)
-    splits = -(-nruns // per)
-    # what the float codes carry beyond (code - zp): 128 + zp (bf16 trick), or zp (raw f32 codes)
-    bias = _bias(meta, wdt) or (0 if meta.offset == "zero" else meta.zp)
-    kernel = functools.partial(_kernel, names=names, meta=meta, M=M, bn=bn, per=per, nruns=nruns, wdt=wdt,
-                               bias=bias)
+    return tiles, -(-nruns // per), per
+
+
+def launch(kernel, args, *, grid, M: int, N: int, interpret: bool, num_warps: int, num_stages: int, name: str):
+    """pallas_call with f32 partials [splits, M, N] (summed by the caller)."""
     cp = None
     if not interpret:
         from jaxserve.kernels.quant_matmul.pallas_triton import _compiler_params
 
         cp = _compiler_params(num_warps, num_stages)
     full = pl.BlockSpec()
-    out = pl.pallas_call(
-        kernel,
-        grid=(tiles, splits),
-        in_specs=[full] * (3 + len(leaves)),
-        out_specs=full,
-        out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), jnp.float32),
-        interpret=interpret,
-        compiler_params=cp,
-        name=f"qkmajor_{meta.fmt}_m{M}_n{bn}_s{splits}",
-    )(layer, xp, qk, *leaves)
-    return jnp.sum(out, axis=0).astype(x.dtype).reshape(*lead, meta.N)
+    return pl.pallas_call(kernel, grid=grid, in_specs=[full] * len(args), out_specs=full,
+                          out_shape=jax.ShapeDtypeStruct((grid[1], M, N), jnp.float32),
+                          interpret=interpret, compiler_params=cp, name=name)(*args)
+
+
+def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=64, splits=None, num_warps=4, num_stages=2,
+            interpret=None):
+    """x [..., K] @ W [K, N] with W's codes from qk (see `repack`) and its factors from qw."""
+    meta = qw.meta
+    if interpret is None:
+        interpret = jax.devices()[0].platform == "cpu"
+    x2, names, leaves, qk, layer = prepare(x, qw, qk, layer, supports, "kmajor")
+    M = x2.shape[0]
+    wdt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
+    xp = jnp.pad(x2.astype(wdt), ((0, 0), (0, meta.Kp - x2.shape[1])))
+    bn = int(block_n)
+    tiles, splits, per = split_plan(meta, bn, splits, "kmajor")
+    # what the float codes carry beyond (code - zp): 128 + zp (bf16 trick), or zp (raw f32 codes)
+    bias = _bias(meta, wdt) or (0 if meta.offset == "zero" else meta.zp)
+    kernel = functools.partial(_kernel, names=names, meta=meta, M=M, bn=bn, per=per, nruns=meta.Kp // RUN,
+                               wdt=wdt, bias=bias)
+    out = launch(kernel, (layer, xp, qk, *leaves), grid=(tiles, splits), M=M, N=meta.N, interpret=interpret,
+                 num_warps=num_warps, num_stages=num_stages, name=f"qkmajor_{meta.fmt}_m{M}_n{bn}_s{splits}")
+    return jnp.sum(out, axis=0).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
