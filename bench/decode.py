@@ -57,7 +57,7 @@ def tree_weight_bytes(cfg, weights) -> int:
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
-                 fuse=None, batch=1, fused_rope_kv=None):
+                 fuse=None, batch=1, fused_rope_kv=None, qmatmul=None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -68,7 +68,7 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
                         fused_rope_kv=fused_rope_kv,
                         scan_layers=False)
-    runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention)
+    runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
     shape, dt = runner.state["k"].shape, runner.state["k"].dtype
     kk, kv = jax.random.split(jax.random.PRNGKey(seed + 1))
@@ -156,7 +156,7 @@ def main(argv=None):
                     help="comma list: none (bf16) or packed formats (q4k, q8_0, q4_0, ...) of random weights")
     ap.add_argument("--qmm-decode", default=None,
                     help="MODE:MAX_M[:REDUCE]: the quant matmul kernel used for M <= MAX_M rows (e.g. gemv:4; default: "
-                         "pallas_triton.DECODE_MODE/DECODE_MAX_M)")
+                         "'bdot' where it applies, else pallas_triton.DECODE_MODE, for M <= DECODE_MAX_M)")
     ap.add_argument("--attn-decode", default=None,
                     help="KEY=V,... overrides of the Pallas decode attention's DECODE_TUNING for this run "
                          "(split_min_tiles, block_k, num_warps, num_stages)")
@@ -176,17 +176,13 @@ def main(argv=None):
     print(f"# jax {jax.__version__} on {dev.device_kind} ({dev.platform}); config {args.config}; "
           f"K={args.steps} x {args.dispatches} dispatches, median of {args.runs}", flush=True)
     quants = args.quant.split(",")
-    if args.qmm_decode:
+    qmatmul = None
+    if args.qmm_decode:  # the runner's quantized matmul: this kernel for M <= MAX_M rows
         from jaxserve.kernels.quant_matmul import pallas_triton as qpt
 
-        from jaxserve.kernels.quant_matmul import pallas_gemv
-
         mode, max_m, *reduce = args.qmm_decode.split(":")
-        qpt.DECODE_MODE, qpt.DECODE_MAX_M = mode, int(max_m)  # bench knob: what the default would become
-        if mode != "bdot":  # the kernel given, also where the default would take 'bdot'
-            qpt.BDOT_DECODE = None
-        if reduce:
-            pallas_gemv.DEFAULT_REDUCE = reduce[0]
+        qmatmul = functools.partial(qpt.qmatmul, decode_mode=mode, decode_max_m=int(max_m),
+                                    **({"reduce": reduce[0]} if reduce else {}))
         print(f"# quant matmul decode kernel: {args.qmm_decode} for M <= {max_m}", flush=True)
     if args.attn_decode:  # decode-attention tunables: keyword arguments of the Pallas entry point
         from jaxserve.kernels.paged_attention import pallas_triton as apt
@@ -238,7 +234,8 @@ def main(argv=None):
         B = args.batch
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
-                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv])
+                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv],
+                              qmatmul=qmatmul)
         t = time.perf_counter()
         try:
             runner.compile(("decode", B))

@@ -267,3 +267,15 @@ def test_dp4a_experiment(fmt, M):
     x_hat = xq * np.repeat(np.asarray(dx, np.float64), dp.SUB, axis=1)
     _check(y, _oracle(x_hat, qw))
     _check(y, _oracle(x, qw), rtol=2e-2)
+
+
+def test_decode_kernel_choice():
+    """Default decode kernel: 'bdot' for bf16 x and <= 7-bit integer codes, else DECODE_MODE; a caller
+    (the runner's qmatmul) picks another with decode_mode / decode_max_m, no module state involved."""
+    q4k, q8 = _weight("q4k"), _weight("q8_0")
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert pt.default_decode_mode(q4k.meta, 1, bf16) == "bdot"
+    assert pt.default_decode_mode(q4k.meta, 1, f32) == pt.DECODE_MODE
+    assert pt.default_decode_mode(q8.meta, 1, bf16) == pt.DECODE_MODE
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((3, K)), f32)
+    _check(pt.qmatmul(x, q4k, decode_mode="gemv", decode_max_m=4, rows=4, interpret=True), _oracle(x, q4k))

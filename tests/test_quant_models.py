@@ -114,3 +114,36 @@ def test_bad_quant_options_are_clear_errors():
         EngineConfig(isq="q3_7")
     with pytest.raises(ValueError, match="packed quantized weights run on one device"):
         load_model(None, packed=True, tp=2)
+
+
+def test_runner_quantized_matmul_is_an_argument(tmp_path):
+    """The runner's `qmatmul` (how a benchmark picks a kernel, instead of patching module state)
+    reaches every packed matmul of the compiled steps; the result is the default's."""
+    import functools
+
+    from hf_tiny import make_tiny_model
+    from tiny_tokenizer import add_byte_tokenizer
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.runner import ModelRunner
+    from jaxserve.kernels.quant_matmul import reference
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    traced = []
+
+    def counting(x, w, **kw):  # called while tracing: once per packed matmul per program
+        traced.append((x.shape, w.meta.fmt))
+        return reference.qmatmul(x, w, **kw)
+
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ecfg = EngineConfig(max_model_len=64, max_num_seqs=2, kv_mem_mb=8, isq="q4_0", packed_weights=True,
+                        program_store=False)
+    toks = {}
+    for name, cls in (("default", None), ("given", functools.partial(ModelRunner, qmatmul=counting))):
+        llm = LLM.from_engine(LLMEngine(str(d), engine_config=ecfg, runner_cls=cls))
+        toks[name] = llm.generate("hello quantized world", sp)[0].outputs[0].token_ids
+        del llm
+    assert toks["given"] == toks["default"] and toks["given"]
+    assert traced and {f for _, f in traced} == {"q4_0"}

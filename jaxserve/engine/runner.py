@@ -91,8 +91,11 @@ class _Pending:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights, num_blocks: int,
-                 attention=None, mesh=None, rules=None):
+                 attention=None, mesh=None, rules=None, qmatmul=None):
         self.cfg, self.ecfg, self.weights = cfg, ecfg, weights
+        # The quantized matmul for packed weights: None = the platform's default (benchmarks pass a
+        # variant, e.g. functools.partial(pallas_triton.qmatmul, decode_mode="gemv")).
+        self.qmatmul = qmatmul
         self.mesh = mesh
         self.num_blocks = num_blocks
         platform = jax.devices()[0].platform
@@ -183,7 +186,7 @@ class ModelRunner:
 
     def _fn(self, key):
         common = dict(scan_layers=self.scan_layers, attention=self.attention, num_top=self.num_top,
-                      add_norm=self.add_norm, rope_kv=self.rope_kv,
+                      add_norm=self.add_norm, rope_kv=self.rope_kv, qmm=self.qmatmul,
                       block_size=self.ecfg.block_size,
                       logits_sharding=self._replicated if self.mesh is not None else None)
         if key[0] == "decode":
@@ -214,7 +217,8 @@ class ModelRunner:
             return None
         from jaxserve.engine import program_store as ps
 
-        kernels = ps.stable_name((self.attention, self.attention_tiled, self.add_norm, self.rope_kv))
+        kernels = ps.stable_name((self.attention, self.attention_tiled, self.add_norm, self.rope_kv,
+                                  self.qmatmul))
         context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels))
         return ps.ProgramStore(os.path.join(root, "jaxserve-programs"), context)
 

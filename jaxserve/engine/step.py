@@ -30,8 +30,9 @@ def _slots(batch, block_size):
     return blk * block_size + pos % block_size
 
 
-def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_top, logits_sharding):
-    logits = tf.logits_from_hidden(cfg, weights, hidden_rows)
+def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_top, logits_sharding,
+            qmm=None):
+    logits = tf.logits_from_hidden(cfg, weights, hidden_rows, qmm)
     if logits_sharding is not None:  # tensor parallel: every device samples from the same logits
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
     out = sampler_mod.sample(logits, st, positions, state["out_counts"][rows],
@@ -54,7 +55,7 @@ def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_
 
 
 def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-               block_size, logits_sharding=None, add_norm=None, rope_kv=None):
+               block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None):
     R = state["out_counts"].shape[0] - 1
     # Fresh rows: clear their penalty state before counting this step's tokens into them.
     reset_rows = jnp.where(inp["reset"], inp["rows"], R)
@@ -73,17 +74,17 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                        scan_layers=scan_layers, attention=attention, add_norm=add_norm,
-                                       rope_kv=rope_kv)
+                                       rope_kv=rope_kv, qmm=qmm)
     state = dict(state, k=k, v=v)
     out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], inp["samples"],
-                         inp["sample_pos"], inp["st"], num_top, logits_sharding)
+                         inp["sample_pos"], inp["st"], num_top, logits_sharding, qmm)
     out = {k: v[None] for k, v in out.items()}  # [K=1, S, ...] like the decode program
     # Prompt log-probabilities (score, echo) cost a [T, V] pass: computed only when a request in the
     # step asked (lax.cond), so one program per token bucket serves both kinds of step.
     T = hidden.shape[0]
 
     def prompt_lp():
-        logits = tf.logits_from_hidden(cfg, weights, hidden)
+        logits = tf.logits_from_hidden(cfg, weights, hidden, qmm)
         if logits_sharding is not None:
             logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
         lp = jax.nn.log_softmax(logits, axis=-1)
@@ -101,7 +102,7 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-                max_steps, block_size, logits_sharding=None, add_norm=None, rope_kv=None):
+                max_steps, block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None):
     S = inp["token_ids"].shape[0]
     token_seq = jnp.arange(S, dtype=jnp.int32)
 
@@ -112,12 +113,12 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
         batch["slots"] = _slots(batch, block_size)
         hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                            scan_layers=scan_layers, attention=attention,
-                                           add_norm=add_norm, rope_kv=rope_kv)
+                                           add_norm=add_norm, rope_kv=rope_kv, qmm=qmm)
         state = dict(state, k=k, v=v)
         # min_tokens: EOS stays banned while fewer than min_tokens outputs exist at this inner step.
         st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > i)
         out, state = _sample(cfg, weights, hidden, state, inp["rows"], inp["samples"], positions + 1,
-                             st, num_top, logits_sharding)
+                             st, num_top, logits_sharding, qmm)
         outs = {name: outs[name].at[i].set(out[name]) for name in outs}
         return state, out["tokens"], positions + 1, outs
 

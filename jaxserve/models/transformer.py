@@ -29,18 +29,20 @@ from jaxserve.models.rope import rope_tables
 from jaxserve.quant.qweight import QWeight
 
 
-def linear(x, w):
-    """x [T, K] @ w [K, N]; w a dense array, a packed QWeight (quantized matmul kernel of this
-    platform: Pallas on GPU, dequantize + dot elsewhere) or a CpuQWeight (the native CPU kernel,
-    kernels/quant_matmul/cpu_native)."""
+def linear(x, w, qmm: Callable | None = None):
+    """x [T, K] @ w [K, N]; w a dense array, a packed QWeight (qmm, or the quantized matmul kernel
+    of this platform: Pallas on GPU, dequantize + dot elsewhere) or a CpuQWeight (the native CPU
+    kernel, kernels/quant_matmul/cpu_native)."""
     if isinstance(w, CpuQWeight):
         return cpu_native.qmatmul(x, w)
     if isinstance(w, cpu_native.LayerOf):  # one layer of a stacked CpuQWeight, read in place
         return cpu_native.qmatmul(x, w.weight, layer=w.index)
     if isinstance(w, QWeight):
-        from jaxserve.kernels import quant_matmul
+        if qmm is None:
+            from jaxserve.kernels import quant_matmul
 
-        return quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))(x, w)
+            qmm = quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
+        return qmm(x, w)
     return x @ w
 
 
@@ -59,13 +61,15 @@ def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, resid=None,
-                  add_norm: Callable | None = None, rope_kv: Callable | None = None):
+                  add_norm: Callable | None = None, rope_kv: Callable | None = None,
+                  qmm: Callable | None = None):
     """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache).
 
     The block's input is x + resid (resid: the previous block's MLP output, or None) and its output
     (x', m, kv) means x' + m: each residual add is left to the next norm, so `add_norm` (a fused
     add + RMSNorm kernel on GPU, kernels/rms_norm) does add and norm in one pass. rope_kv: a fused
-    RoPE + cache-write kernel (kernels/rope_kv) for fused q/k/v without q/k norms."""
+    RoPE + cache-write kernel (kernels/rope_kv) for fused q/k/v without q/k norms. qmm: the quantized
+    matmul for packed weights (default: the platform's)."""
     add_norm = add_norm or _add_rms_norm_ref
     eps = cfg.rms_norm_eps
     T = x.shape[0]
@@ -73,7 +77,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     x, h = add_norm(x, resid, w["attn_norm"], eps)
     fused_kv = False
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
-        qkv = linear(h, w["qkv"])
+        qkv = linear(h, w["qkv"], qmm)
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
         if rope_kv is not None and not cfg.qk_norm:
@@ -85,7 +89,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         else:
             q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
     else:
-        q, k, v = linear(h, w["q"]), linear(h, w["k"]), linear(h, w["v"])
+        q, k, v = linear(h, w["q"], qmm), linear(h, w["k"], qmm), linear(h, w["v"], qmm)
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if not fused_kv:
@@ -108,15 +112,15 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         o = jnp.concatenate([
             attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
             tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
-    o = linear(o.reshape(T, H * hd), w["o"])
+    o = linear(o.reshape(T, H * hd), w["o"], qmm)
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x, h = add_norm(x, o, w["ffn_norm"], eps)
     if "gate_up" in w:
-        g, u = jnp.split(linear(h, w["gate_up"]), 2, axis=-1)
+        g, u = jnp.split(linear(h, w["gate_up"], qmm), 2, axis=-1)
     else:
-        g, u = linear(h, w["gate"]), linear(h, w["up"])
-    m = linear(_act(cfg, g) * u, w["down"])
+        g, u = linear(h, w["gate"], qmm), linear(h, w["up"], qmm)
+    m = linear(_act(cfg, g) * u, w["down"], qmm)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
     return x, m, (k_cache, v_cache)
@@ -194,7 +198,7 @@ def embed(cfg: ModelConfig, weights, token_ids, dtype):
 
 def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers: bool,
                    attention: Callable = attn_ref.paged_attention, add_norm: Callable | None = None,
-                   rope_kv: Callable | None = None):
+                   rope_kv: Callable | None = None, qmm: Callable | None = None):
     """Run all layers. Returns (final-normed hidden [T, D], (k_cache, v_cache)).
 
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
@@ -214,7 +218,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
             x, resid, kv = carry
             w, c = xs
             w = dict(w, **{k: cpu_native.LayerOf(v, c["index"]) for k, v in native.items()})
-            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv)
+            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv, qmm)
             return (x, resid, kv), None
 
         # The first block's residual is zero (x + 0 == x exactly): one carry structure for the scan.
@@ -229,7 +233,8 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
 
         @jax.jit
         def block(x, resid, w, c, kv, arrays):
-            return decoder_layer(cfg, x, w, c, kv, {**arrays, **static}, attention, resid, add_norm, rope_kv)
+            return decoder_layer(cfg, x, w, c, kv, {**arrays, **static}, attention, resid, add_norm, rope_kv,
+                                 qmm)
 
         # The layer constants are compile-time literals here (numpy from the static config), not
         # slices of the traced `consts`: on the GPU each slice was a kernel (4 per layer, ~1 us each)
@@ -245,10 +250,10 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
     return add_norm(x, resid, weights["final_norm"], cfg.rms_norm_eps)[1], kv
 
 
-def logits_from_hidden(cfg: ModelConfig, weights, h):
+def logits_from_hidden(cfg: ModelConfig, weights, h, qmm: Callable | None = None):
     """h [N, D] -> f32 logits [N, V] (final soft-cap applied)."""
     if "lm_head" in weights:
-        logits = linear(h, weights["lm_head"])
+        logits = linear(h, weights["lm_head"], qmm)
     else:
         logits = h @ weights["embed"].T
     logits = logits.astype(jnp.float32)

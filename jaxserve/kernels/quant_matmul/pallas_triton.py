@@ -50,22 +50,23 @@ from jaxserve.kernels.quant_matmul import pallas_bdot, pallas_gemv
 from jaxserve.quant.qweight import QMeta, QWeight, decode_scale, dequantize, leaf_names, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
-# The kernel for M <= DECODE_MAX_M rows (decode). 'gemv' is the candidate (offline SASS: ~4.4 instead
-# of ~7.3 instructions per q4k weight, no barriers); switch to ("gemv", 4) once bench/quant_gpu.py
-# shows it winning on the GPU.
+# The kernel for M <= DECODE_MAX_M rows (decode) when 'bdot' does not apply ('gemv' measured slower
+# end to end). Constants: a benchmark picks another kernel with qmatmul(decode_mode=..., ...), passed
+# to the runner as its `qmatmul`.
 DECODE_MODE, DECODE_MAX_M = "fma", 2
 # With bf16 x and integer codes of <= 7 bits, decode (M <= DECODE_MAX_M) takes the block-diagonal
 # tensor-core kernel instead (H200, Llama-8B q4k bs1: 219.9 tok/s vs 198.8 with 'fma'; gate GEMV
-# 41.7 vs 47.3 us). 8-bit and float codes stay on DECODE_MODE ('bdot' measured slower for q8_0).
-BDOT_DECODE = dict(block_n=64)
+# 41.7 vs 47.3 us), with 64 columns per program. 8-bit and float codes stay on DECODE_MODE ('bdot'
+# measured slower for q8_0).
+BDOT_BLOCK_N = 64
 
 
-def decode_mode(meta: QMeta, M: int, dtype) -> str | None:
-    """The default kernel for M rows of x in `dtype` when no mode is given (None: plan's choice)."""
-    if (M <= min(DECODE_MAX_M, pallas_bdot.MAX_M) and jnp.dtype(dtype) == jnp.bfloat16
-            and meta.code == "int" and meta.code_bits <= 7 and BDOT_DECODE is not None):
+def default_decode_mode(meta: QMeta, M: int, dtype, max_m: int = DECODE_MAX_M) -> str:
+    """The default kernel for M <= max_m rows of x in `dtype`."""
+    if (M <= min(max_m, pallas_bdot.MAX_M) and jnp.dtype(dtype) == jnp.bfloat16
+            and meta.code == "int" and meta.code_bits <= 7):
         return "bdot"
-    return None
+    return DECODE_MODE
 
 
 def _pow2(n: int) -> int:
@@ -218,7 +219,7 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
     (M=32: q4k 82 us, q8_0 74 us); M >= xla_min_m 'xla' (prefill M=2048: 520 us vs 3.3 ms for
     small-group in-kernel dots; bf16 GEMM 336 us).
     """
-    mode = mode or (DECODE_MODE if M <= DECODE_MAX_M else "xla" if M >= xla_min_m else "dot")
+    mode = mode or (DECODE_MODE if M <= DECODE_MAX_M else "xla" if M >= xla_min_m else "dot")  # (see qmatmul)
     if mode not in ("dot", "fma", "xla", "gemv", "bdot"):
         raise ValueError(f"unknown mode {mode!r}")
     if mode == "xla":
@@ -260,12 +261,13 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=None, splits=None,
             mode=None, num_warps=None, num_stages=None, interpret=None, xla_min_m: int = 512, reduce=None,
-            rows=None, prefetch=None):
+            rows=None, prefetch=None, decode_mode=None, decode_max_m=None):
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype. See the module docstring.
 
     qw: a QWeight [K, N], or stacked [L, K, N] with `layer` (an int or traced int32 scalar): the
     kernel indexes the stacked leaves itself, so no per-layer copy of the weights is made.
-    interpret: None = on CPU only.
+    interpret: None = on CPU only. decode_mode / decode_max_m: the kernel for M <= decode_max_m rows
+    when mode is None (default: 'bdot' where it applies, else DECODE_MODE, for M <= DECODE_MAX_M).
     """
     meta = qw.meta
     if interpret is None:
@@ -292,8 +294,11 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
 
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if mode is None and decode_mode(meta, M, x.dtype) == "bdot":
-        mode, block_n = "bdot", block_n or BDOT_DECODE["block_n"]
+    max_m = DECODE_MAX_M if decode_max_m is None else int(decode_max_m)
+    if mode is None and M <= max_m:
+        mode = default_decode_mode(meta, M, x.dtype, max_m) if decode_mode is None else decode_mode
+        if mode == "bdot":
+            block_n = block_n or BDOT_BLOCK_N
     p = plan(meta, M, block_m=block_m, block_n=block_n, block_k=block_k, splits=splits, mode=mode,
              num_warps=num_warps, xla_min_m=xla_min_m, reduce=reduce, rows=rows, prefetch=prefetch)
     if p["mode"] in ("gemv", "bdot"):
