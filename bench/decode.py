@@ -52,8 +52,23 @@ def tree_weight_bytes(cfg, weights) -> int:
     for name, w in weights.items():
         if name == "_quant" or (name == "embed" and not cfg.tie_word_embeddings):
             continue
-        total += sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
+        total += sum(_read_bytes(a) for a in jax.tree.leaves(w, is_leaf=_is_qweight))
     return total
+
+
+def _is_qweight(w) -> bool:
+    from jaxserve.quant.qweight import QWeight
+
+    return isinstance(w, QWeight)
+
+
+def _read_bytes(w) -> int:
+    """An array's bytes; a QWeight carrying a K-contiguous code copy ('qk') is read through the copy,
+    not its bit planes."""
+    if not _is_qweight(w):
+        return w.size * w.dtype.itemsize
+    skip = {n for n in w.arrays if n.startswith("q") and n[1:].isdigit()} if "qk" in w.arrays else set()
+    return sum(a.size * a.dtype.itemsize for n, a in w.arrays.items() if n not in skip)
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
@@ -156,7 +171,8 @@ def main(argv=None):
                     help="comma list: none (bf16) or packed formats (q4k, q8_0, q4_0, ...) of random weights")
     ap.add_argument("--qmm-decode", default=None,
                     help="MODE:MAX_M[:REDUCE]: the quant matmul kernel used for M <= MAX_M rows (e.g. gemv:4; default: "
-                         "'bdot' where it applies, else pallas_triton.DECODE_MODE, for M <= DECODE_MAX_M)")
+                         "'bdot' where it applies, else pallas_triton.DECODE_MODE, for M <= DECODE_MAX_M); "
+                         "kmajor / dp4a (experiments): 4-bit weights get a K-contiguous code copy first")
     ap.add_argument("--attn-decode", default=None,
                     help="KEY=V,... overrides of the Pallas decode attention's DECODE_TUNING for this run "
                          "(split_min_tiles, block_k, num_warps, num_stages)")
@@ -181,8 +197,14 @@ def main(argv=None):
         from jaxserve.kernels.quant_matmul import pallas_triton as qpt
 
         mode, max_m, *reduce = args.qmm_decode.split(":")
-        qmatmul = functools.partial(qpt.qmatmul, decode_mode=mode, decode_max_m=int(max_m),
-                                    **({"reduce": reduce[0]} if reduce else {}))
+        if mode in ("kmajor", "dp4a"):  # experiments over a K-contiguous code copy (attached below)
+            from jaxserve.kernels.quant_matmul import pallas_kmajor
+
+            qmatmul = functools.partial(pallas_kmajor.qmatmul_with_copy, decode_mode=mode,
+                                        decode_max_m=int(max_m))
+        else:
+            qmatmul = functools.partial(qpt.qmatmul, decode_mode=mode, decode_max_m=int(max_m),
+                                        **({"reduce": reduce[0]} if reduce else {}))
         print(f"# quant matmul decode kernel: {args.qmm_decode} for M <= {max_m}", flush=True)
     if args.attn_decode:  # decode-attention tunables: keyword arguments of the Pallas entry point
         from jaxserve.kernels.paged_attention import pallas_triton as apt
@@ -226,6 +248,10 @@ def main(argv=None):
                 weights = random_packed_layers(cfg, quant, "bfloat16", args.seed,
                                                head_fmt="q6k" if quant == "q4k" else None)
                 weights = dict(tf.fuse_projections(weights), _quant=quant)
+                if args.qmm_decode and args.qmm_decode.split(":")[0] in ("kmajor", "dp4a"):
+                    from jaxserve.kernels.quant_matmul import pallas_kmajor
+
+                    weights = pallas_kmajor.attach(weights)
                 print(f"# random {quant} weights built in {time.perf_counter() - t:.1f}s", flush=True)
             fused = True
         elif fuse and not fused:  # unfused variants ran first: their arrays can go

@@ -279,3 +279,21 @@ def test_decode_kernel_choice():
     assert pt.default_decode_mode(q8.meta, 1, bf16) == pt.DECODE_MODE
     x = jnp.asarray(np.random.default_rng(3).standard_normal((3, K)), f32)
     _check(pt.qmatmul(x, q4k, decode_mode="gemv", decode_max_m=4, rows=4, interpret=True), _oracle(x, q4k))
+
+
+def test_kmajor_benchmark_wiring():
+    """pallas_kmajor.attach adds the K-contiguous copy to 4-bit QWeights only; qmatmul_with_copy (a
+    runner `qmatmul` for bench/decode.py) sends small M there and the rest to pallas_triton."""
+    from jaxserve.kernels.quant_matmul import pallas_kmajor as km
+
+    q4, q6 = _weight("q4k", k=512, n=128), _weight("q6k", k=512, n=128)
+    tree = km.attach({"a": q4, "b": q6, "c": jnp.ones(3)})
+    assert "qk" in tree["a"].arrays and "qk" not in tree["b"].arrays
+    y = jax.jit(lambda t, x: jax.tree.map(
+        lambda w: km.qmatmul_with_copy(x, w, decode_mode="kmajor", decode_max_m=2, interpret=True),
+        {"a": t["a"], "b": t["b"]}, is_leaf=lambda w: hasattr(w, "meta")))
+    for M in (1, 3):  # M=3: above decode_max_m, pallas_triton (interpreted) on the same weights
+        x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), jnp.float32)
+        out = y(tree, x)
+        _check(out["a"], _oracle(x, q4))
+        _check(out["b"], _oracle(x, q6))

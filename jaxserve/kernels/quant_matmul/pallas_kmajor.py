@@ -22,6 +22,7 @@ Scope: one 4-bit plane (q4_0, q4_1, q4k, 4-bit GPTQ/AWQ), Kp a multiple of 256, 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -164,3 +165,29 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=64, splits=None, num_warp
     out = launch(kernel, (layer, xp, qk, *leaves), grid=(tiles, splits), M=M, N=meta.N, interpret=interpret,
                  num_warps=num_warps, num_stages=num_stages, name=f"qkmajor_{meta.fmt}_m{M}_n{bn}_s{splits}")
     return jnp.sum(out, axis=0).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
+
+
+# ------------------------------------------------------------------- benchmark wiring (experiment)
+def attach(weights):
+    """Every one-plane 4-bit QWeight of a weights tree gains its K-contiguous copy as the extra leaf
+    'qk' (QWeight flattens every array it holds, so the copy travels through jit; the other kernels
+    read only their own leaves). For benchmarks: it adds the codes' bytes once more."""
+    def one(w):
+        if isinstance(w, QWeight) and supports(w.meta, 1) and "qk" not in w.arrays:
+            return QWeight(w.meta, dict(w.arrays, qk=repack(w)))
+        return w
+    return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
+
+
+def qmatmul_with_copy(x, qw: QWeight, *, decode_mode: str = "dp4a", decode_max_m: int = 4, **kw):
+    """A runner `qmatmul`: M <= decode_max_m rows of x on a weight carrying 'qk' (see `attach`) go to
+    the K-contiguous kernel `decode_mode` ('kmajor' or 'dp4a'); everything else to pallas_triton."""
+    from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_triton
+
+    M = math.prod(x.shape[:-1])
+    kernel = {"kmajor": qmatmul, "dp4a": pallas_dp4a.qmatmul}[decode_mode]
+    ok = {"kmajor": supports, "dp4a": pallas_dp4a.supports}[decode_mode]
+    bn = kw.get("block_n", 64 if decode_mode == "kmajor" else 128)
+    if "qk" in qw.arrays and M <= decode_max_m and ok(qw.meta, M) and qw.meta.N % bn == 0:
+        return kernel(x, qw, qw.arrays["qk"], **kw)
+    return pallas_triton.qmatmul(x, qw)  # (it reads only the QWeight's own leaves)
