@@ -251,7 +251,7 @@ def main(argv=None):
                 if args.qmm_decode and args.qmm_decode.split(":")[0] in ("kmajor", "dp4a"):
                     from jaxserve.kernels.quant_matmul import pallas_kmajor
 
-                    weights = pallas_kmajor.attach(weights)
+                    weights = pallas_kmajor.attach(weights, words=args.qmm_decode.startswith("dp4a"))
                 print(f"# random {quant} weights built in {time.perf_counter() - t:.1f}s", flush=True)
             fused = True
         elif fuse and not fused:  # unfused variants ran first: their arrays can go

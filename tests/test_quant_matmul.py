@@ -297,3 +297,7 @@ def test_kmajor_benchmark_wiring():
         out = y(tree, x)
         _check(out["a"], _oracle(x, q4))
         _check(out["b"], _oracle(x, q6))
+    words = km.attach({"a": q4}, words=True)["a"]  # dp4a's int32 view, stored once
+    assert words.arrays["qk"].dtype == jnp.int32 and words.arrays["qk"].shape == (128, 64)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 512)), jnp.float32)
+    _check(km.qmatmul_with_copy(x, words, decode_mode="dp4a", interpret=True), _oracle(x, q4), rtol=2e-2)

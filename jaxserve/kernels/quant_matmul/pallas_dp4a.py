@@ -43,7 +43,10 @@ def supports(meta: QMeta, M: int) -> bool:
 
 
 def words(qk):
-    """pallas_kmajor.repack's uint8 [..., N, Kp / 2] as int32 [..., N, Kp / 8] (little-endian)."""
+    """pallas_kmajor.repack's uint8 [..., N, Kp / 2] as int32 [..., N, Kp / 8] (little-endian); int32
+    words (pallas_kmajor.attach(..., words=True)) pass through."""
+    if qk.dtype == jnp.int32:
+        return qk
     *lead, N, B = qk.shape
     return lax.bitcast_convert_type(qk.reshape(*lead, N, B // 4, 4), jnp.int32)
 

@@ -168,13 +168,19 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=64, splits=None, num_warp
 
 
 # ------------------------------------------------------------------- benchmark wiring (experiment)
-def attach(weights):
+def attach(weights, words: bool = False):
     """Every one-plane 4-bit QWeight of a weights tree gains its K-contiguous copy as the extra leaf
     'qk' (QWeight flattens every array it holds, so the copy travels through jit; the other kernels
-    read only their own leaves). For benchmarks: it adds the codes' bytes once more."""
+    read only their own leaves). For benchmarks: it adds the codes' bytes once more. words: store it
+    as int32 words (pallas_dp4a's view) so no call converts it."""
     def one(w):
         if isinstance(w, QWeight) and supports(w.meta, 1) and "qk" not in w.arrays:
-            return QWeight(w.meta, dict(w.arrays, qk=repack(w)))
+            qk = repack(w)
+            if words:
+                from jaxserve.kernels.quant_matmul.pallas_dp4a import words as as_words
+
+                qk = as_words(qk)
+            return QWeight(w.meta, dict(w.arrays, qk=qk))
         return w
     return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
 
