@@ -131,20 +131,23 @@ def _mode_ok(mode, M, meta=None):
 
 def call(x, q, layer=None, kw=None, interpret=False):
     """One matmul: kw None = the jnp reference; mode 'kmajor' = the experimental K-contiguous kernel
-    (q is then (QWeight, its K-contiguous code copy)); else pallas_triton.qmatmul(**kw)."""
-    qw, qk = q if isinstance(q, tuple) else (q, None)
+    (q is then (QWeight, its K-contiguous code copy as bytes, the same as int32 words)); else
+    pallas_triton.qmatmul(**kw)."""
+    qw, qk, qk_words = q if isinstance(q, tuple) else (q, None, None)
     if kw is None:
         return ref.qmatmul(x, qw, layer=layer)
     if kw.get("mode") in KMAJOR:
-        fn = km.qmatmul if kw["mode"] == "kmajor" else dp.qmatmul
-        return fn(x, qw, qk, layer=layer, interpret=interpret, **{k: v for k, v in kw.items() if k != "mode"})
+        fn, copy = (km.qmatmul, qk) if kw["mode"] == "kmajor" else (dp.qmatmul, qk_words)
+        return fn(x, qw, copy, layer=layer, interpret=interpret, **{k: v for k, v in kw.items() if k != "mode"})
     return pt.qmatmul(x, qw, layer=layer, interpret=interpret, **kw)
 
 
 def with_kmajor(qw, modes):
-    """(qw, K-contiguous copy) when a kmajor variant may run on it, else qw."""
+    """(qw, K-contiguous copy, the copy as int32 words) when a kmajor/dp4a variant may run on it, else
+    qw. Both views are made once: a per-call view conversion inside the timed loop could be a copy."""
     if set(KMAJOR) & set(modes) and km.supports(qw.meta, 1):
-        return qw, jax.jit(km.repack)(qw)
+        qk = jax.jit(km.repack)(qw)
+        return qw, qk, jax.jit(dp.words)(qk)
     return qw
 
 
