@@ -174,8 +174,9 @@ def main(argv=None):
                          "'bdot' where it applies, else pallas_triton.DECODE_MODE, for M <= DECODE_MAX_M); "
                          "kmajor / dp4a (experiments): 4-bit weights get a K-contiguous code copy first")
     ap.add_argument("--attn-decode", default=None,
-                    help="KEY=V,... overrides of the Pallas decode attention's DECODE_TUNING for this run "
-                         "(split_min_tiles, block_k, num_warps, num_stages)")
+                    help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
+                         "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
+                         "num_stages reach the prefill kernel too)")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
     ap.add_argument("--hlo-dir", default=None, help="write each variant's optimized decode program here")
     ap.add_argument("--profile", type=int, default=0,

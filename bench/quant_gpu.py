@@ -253,6 +253,7 @@ def run_timing(formats, shapes, ms, small, interpret, reps, calls, modes, sweep)
                 if sweep != set() and sname == sweep_shape and fmt in ("q4k", "q8_0"):
                     variants += [_resolve(kw, base.meta, M) for kw in SWEEP.get(M, [])
                                  if _mode_ok(kw.get("mode", "auto"), M, base.meta)
+                                 and (kw.get("mode") not in KMAJOR or isinstance(qs, tuple))  # copy made
                                  and (sweep is None or kw.get("mode", "auto") in sweep)]
                 impls = [(_label(kw), lambda x, q, layer, kw=kw: call(x, q, layer, kw, interpret))
                          for kw in variants]

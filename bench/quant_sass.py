@@ -82,7 +82,7 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
         R.lowering.lower_jaxpr_to_triton_module = orig
         pt._compiler_params = orig_cp
     if kmajor:
-        bn = kw.get("block_n", 64 if kw["mode"] == "kmajor" else 128)
+        bn = kw.get("block_n", fn.__kwdefaults__["block_n"])
         return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=bn), qw.meta
     plan = pt.plan(qw.meta, M, **{k: v for k, v in kw.items() if k not in ("num_stages",)})
     return got[-1], params[-1][0], params[-1][1], plan, qw.meta

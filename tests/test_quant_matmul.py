@@ -137,13 +137,14 @@ def test_decode_kernels_float_codes(kind, mode):
     ("q4k", 1, dict(block_n=32, splits=2)),  # N in 3 tiles (clamped columns), K split in two
     ("q6k", 2, dict(block_n=128, splits=1)),  # 16-row slabs, two x rows share the 16 dot rows
     ("q5_0", 3, {}),  # 1-bit plane: a step is 8 slabs, so the dot grows to 32 rows
+    # every offset kind with the bias folded in: direct (q4_1, q5_1), zero points (int4), 'nib' (q2k),
+    # signed sub-scales (q3k)
+    ("q4_1", 1, {}), ("q5_1", 2, {}), ("int4", 1, {}), ("q2k", 1, {}), ("q3k", 2, {}),
 ], ids=str)
 def test_bdot_tunables_bf16(fmt, M, tun):
     """bf16 x: codes of <= 7 bits take the bf16 mantissa trick (code + 128, the bias folded into the
-    offset); the result is bf16, so the tolerance is bf16's."""
+    offset); the result is bf16, so the tolerance is bf16's (a wrong bias is off by ~100%)."""
     qw = _weight(fmt)
-    p = pt.plan(qw.meta, M, mode="bdot", **tun)
-    assert p["rows"] >= M * p["G"] and p["G"] * qw.meta.slab % qw.meta.step == 0
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
     y = pt.qmatmul(x, qw, mode="bdot", interpret=True, **tun)
     _check(y, _oracle(np.asarray(x, np.float32), qw), rtol=1e-2)
@@ -277,7 +278,17 @@ def test_decode_kernel_choice():
     assert pt.default_decode_mode(q4k.meta, 1, bf16) == "bdot"
     assert pt.default_decode_mode(q4k.meta, 1, f32) == pt.DECODE_MODE
     assert pt.default_decode_mode(q8.meta, 1, bf16) == pt.DECODE_MODE
+    assert pt.plan(q4k.meta, 1)["mode"] == "bdot" and pt.plan(q4k.meta, 1, dtype=f32)["mode"] == "fma"
+    assert pt.plan(q4k.meta, 2, decode_max_m=1)["mode"] == "dot"
+
+    def kernel_names(x, **kw):
+        return str(jax.make_jaxpr(lambda x: pt.qmatmul(x, q4k, interpret=True, **kw))(x))
+
+    x1 = jnp.asarray(np.random.default_rng(2).standard_normal((1, K)), bf16)
+    assert "qbdot_" in kernel_names(x1)
+    _check(pt.qmatmul(x1, q4k, interpret=True), _oracle(np.asarray(x1, np.float32), q4k), rtol=1e-2)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((3, K)), f32)
+    assert "qgemv_" in kernel_names(x, decode_mode="gemv", decode_max_m=4, rows=4)
     _check(pt.qmatmul(x, q4k, decode_mode="gemv", decode_max_m=4, rows=4, interpret=True), _oracle(x, q4k))
 
 

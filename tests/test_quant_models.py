@@ -116,9 +116,10 @@ def test_bad_quant_options_are_clear_errors():
         load_model(None, packed=True, tp=2)
 
 
-def test_runner_quantized_matmul_is_an_argument(tmp_path):
+def test_runner_quantized_matmul_is_an_argument(tmp_path, monkeypatch):
     """The runner's `qmatmul` (how a benchmark picks a kernel, instead of patching module state)
-    reaches every packed matmul of the compiled steps; the result is the default's."""
+    reaches every packed matmul of the compiled steps (the platform default is made to fail while it
+    is given); the result is the default's."""
     import functools
 
     from hf_tiny import make_tiny_model
@@ -142,6 +143,12 @@ def test_runner_quantized_matmul_is_an_argument(tmp_path):
                         program_store=False)
     toks = {}
     for name, cls in (("default", None), ("given", functools.partial(ModelRunner, qmatmul=counting))):
+        if name == "given":
+            from jaxserve.kernels import quant_matmul
+
+            def no_default(name):
+                raise AssertionError("a packed matmul used the platform default")
+            monkeypatch.setattr(quant_matmul, "get", no_default)
         llm = LLM.from_engine(LLMEngine(str(d), engine_config=ecfg, runner_cls=cls))
         toks[name] = llm.generate("hello quantized world", sp)[0].outputs[0].token_ids
         del llm

@@ -22,7 +22,7 @@ accumulation order), so the result differs from x @ dequantize(W) only by f32 su
 the folding of the offset. With f32 x the codes and x stay f32 (TF32 dots on the GPU: use bf16 x).
 
 Tunables (static): block_n (columns per program), num_warps, splits (K splits over a grid axis,
-f32 partials summed by XLA), group (slabs per super-step G); defaults in `plan`.
+f32 partials summed by XLA); defaults in `plan`.
 """
 
 from __future__ import annotations
@@ -47,25 +47,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _slabs_per_super(meta: QMeta, M: int, group=None) -> tuple[int, int]:
-    """(G, rows): G slabs per super-step (a whole number of steps dividing Kp; <= 16 // M if
+def _slabs_per_super(meta: QMeta, M: int) -> tuple[int, int]:
+    """(G, rows): G slabs per super-step (a whole number of steps dividing Kp; <= 16 // pow2(M) if
     possible, so the dot has 16 rows) and the dot's row count (>= 16, a power of two >= M * G)."""
     S, T = meta.slab, meta.step // meta.slab
     fits = [G for G in range(T, meta.Kp // S + 1, T) if meta.Kp % (G * S) == 0]
-    top = ROWS // _pow2(M) if group is None else int(group)
+    top = ROWS // _pow2(M)
     small = [G for G in fits if G <= top]
     G = max(small) if small else min(fits)
     return G, max(ROWS, _pow2(M * G))
 
 
-def plan(meta: QMeta, M: int, *, block_n=None, splits=None, num_warps=None, group=None) -> dict:
+def plan(meta: QMeta, M: int, *, block_n=None, splits=None, num_warps=None) -> dict:
     """Static launch plan for [M, K] @ [K, N] with M <= MAX_M.
 
     Defaults (to be tuned on the GPU, bench/quant_gpu.py): 128 columns and 4 warps per program, and
     enough K splits for ~8 programs per SM."""
     if M > MAX_M:
         raise ValueError(f"mode 'bdot' is for M <= {MAX_M} rows, got {M}")
-    G, rows = _slabs_per_super(meta, M, group)
+    G, rows = _slabs_per_super(meta, M)
     bn = int(block_n or 128)
     bn = max(16, min(_pow2(bn), _pow2(meta.N)))
     Np = -(-meta.N // bn) * bn
@@ -127,7 +127,6 @@ def _kernel(layer_ref, x_ref, *refs, names, meta, M, G, R, bn, N, per, nsup, wdt
     r = jnp.arange(R)
     rm, rt = r // G, r % G  # x row and slab of each dot row
     valid = rm < M
-    nsteps = G // T
 
     def body(i, acc):
         g0 = i * G  # first slab of the super-step

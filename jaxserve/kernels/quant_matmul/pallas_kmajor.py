@@ -193,7 +193,7 @@ def qmatmul_with_copy(x, qw: QWeight, *, decode_mode: str = "dp4a", decode_max_m
     M = math.prod(x.shape[:-1])
     kernel = {"kmajor": qmatmul, "dp4a": pallas_dp4a.qmatmul}[decode_mode]
     ok = {"kmajor": supports, "dp4a": pallas_dp4a.supports}[decode_mode]
-    bn = kw.get("block_n", 64 if decode_mode == "kmajor" else 128)
+    bn = kw.get("block_n", kernel.__kwdefaults__["block_n"])
     if "qk" in qw.arrays and M <= decode_max_m and ok(qw.meta, M) and qw.meta.N % bn == 0:
         return kernel(x, qw, qw.arrays["qk"], **kw)
     return pallas_triton.qmatmul(x, qw)  # (it reads only the QWeight's own leaves)

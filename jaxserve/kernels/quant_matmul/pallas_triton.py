@@ -23,8 +23,10 @@ and then
               loop-invariant dequantize) never uses it.
   mode 'gemv': (M <= 16) the decode GEMV of pallas_gemv.py: 1-D rows of W per thread, group factors
               applied once per (group, column) after an f32 sum of code * x, loads issued a chunk
-              ahead; tunables also rows, prefetch, reduce (see there). The M <= DECODE_MAX_M default
-              is DECODE_MODE.
+              ahead; tunables also rows, prefetch, reduce (see there).
+  mode 'bdot': (M <= 4) the block-diagonal tensor-core decode kernel of pallas_bdot.py.
+The M <= DECODE_MAX_M default (`default_decode_mode`): 'bdot' for bf16 x and integer codes of <= 7
+bits, else DECODE_MODE ('fma').
 Codes become floats by OR-ing them into the mantissa of 2**23 (no int->float conversion, which runs
 on a slow pipe on NVIDIA GPUs). Float codes (FP8 e4m3, FP4 e2m1) and bit-pattern scales (e8m0, e4m3)
 are decoded by the same bit arithmetic as the reference (qweight.minifloat); their values are exact
@@ -55,10 +57,10 @@ NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 # to the runner as its `qmatmul`.
 DECODE_MODE, DECODE_MAX_M = "fma", 2
 # With bf16 x and integer codes of <= 7 bits, decode (M <= DECODE_MAX_M) takes the block-diagonal
-# tensor-core kernel instead (H200, Llama-8B q4k bs1: 219.9 tok/s vs 198.8 with 'fma'; gate GEMV
-# 41.7 vs 47.3 us), with 64 columns per program. 8-bit and float codes stay on DECODE_MODE ('bdot'
-# measured slower for q8_0).
-BDOT_BLOCK_N = 64
+# tensor-core kernel instead (H200, Llama-8B q4k bs1: 219.9 tok/s vs 198.8 with 'fma', at its
+# default 128 columns per program; the gate GEMV alone measured 41.7 us at 64 columns, 43.1 at 128,
+# vs 47.3 'fma' — 64 is not the default because it was never measured end to end). 8-bit and float
+# codes stay on DECODE_MODE ('bdot' measured slower for q8_0).
 
 
 def default_decode_mode(meta: QMeta, M: int, dtype, max_m: int = DECODE_MAX_M) -> str:
@@ -210,16 +212,23 @@ def _kernel(layer_ref, x_ref, *refs, names, meta, bm, bn, N, u, per, nblk, mode,
 
 
 def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, splits=None, mode=None,
-         num_warps=None, xla_min_m: int = 512, reduce=None, rows=None, prefetch=None):
-    """The static launch plan (mode, tile sizes, unroll, split count, warps) for [M, K] @ [K, N].
+         num_warps=None, xla_min_m: int = 512, reduce=None, rows=None, prefetch=None, dtype=jnp.bfloat16,
+         decode_mode=None, decode_max_m=None):
+    """The static launch plan (mode, tile sizes, unroll, split count, warps) for [M, K] @ [K, N] with x
+    in `dtype`. decode_mode / decode_max_m: the kernel for M <= decode_max_m rows when mode is None
+    (default: `default_decode_mode` for M <= DECODE_MAX_M).
 
-    Defaults from H200 sweeps (Llama-8B gate 4096x14336, q4k / q8_0, bf16 x): M <= 2 'fma' with
+    Defaults from H200 sweeps (Llama-8B gate 4096x14336, q4k / q8_0, bf16 x): M <= 2 'bdot' (see
+    default_decode_mode), else 'fma' with
     128 columns x 128 rows per program and ~12 programs per SM (q4k 44-48 us, q8_0 39-41 us, vs
     122 us for 'dot' without splits; bf16 jnp.dot 62 us); 'dot' for mid M with ~6 programs per SM
     (M=32: q4k 82 us, q8_0 74 us); M >= xla_min_m 'xla' (prefill M=2048: 520 us vs 3.3 ms for
     small-group in-kernel dots; bf16 GEMM 336 us).
     """
-    mode = mode or (DECODE_MODE if M <= DECODE_MAX_M else "xla" if M >= xla_min_m else "dot")  # (see qmatmul)
+    max_m = DECODE_MAX_M if decode_max_m is None else int(decode_max_m)
+    if mode is None and M <= max_m:
+        mode = default_decode_mode(meta, M, dtype, max_m) if decode_mode is None else decode_mode
+    mode = mode or ("xla" if M >= xla_min_m else "dot")
     if mode not in ("dot", "fma", "xla", "gemv", "bdot"):
         raise ValueError(f"unknown mode {mode!r}")
     if mode == "xla":
@@ -294,17 +303,14 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
 
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    max_m = DECODE_MAX_M if decode_max_m is None else int(decode_max_m)
-    if mode is None and M <= max_m:
-        mode = default_decode_mode(meta, M, x.dtype, max_m) if decode_mode is None else decode_mode
-        if mode == "bdot":
-            block_n = block_n or BDOT_BLOCK_N
     p = plan(meta, M, block_m=block_m, block_n=block_n, block_k=block_k, splits=splits, mode=mode,
-             num_warps=num_warps, xla_min_m=xla_min_m, reduce=reduce, rows=rows, prefetch=prefetch)
+             num_warps=num_warps, xla_min_m=xla_min_m, reduce=reduce, rows=rows, prefetch=prefetch,
+             dtype=x.dtype, decode_mode=decode_mode, decode_max_m=decode_max_m)
     if p["mode"] in ("gemv", "bdot"):
         cp = None if interpret else _compiler_params(p["num_warps"], num_stages or 2)
-        y = (pallas_gemv if p["mode"] == "gemv" else pallas_bdot).run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
-                            compiler_params=cp)
+        kernel = pallas_gemv if p["mode"] == "gemv" else pallas_bdot
+        y = kernel.run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
+                       compiler_params=cp)
         if gscale is not None:
             y = y.astype(jnp.float32) * gscale[layer[0]].astype(jnp.float32)
         return y[:, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
