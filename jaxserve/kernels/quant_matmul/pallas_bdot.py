@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.kernels.quant_matmul.pallas_gemv import _factors, _int_f32
+from jaxserve.kernels.quant_matmul.pallas_gemv import _factors, _int_f32, slab_code
 from jaxserve.quant.qweight import QMeta, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM: sizes the split count
@@ -93,17 +93,7 @@ def _bias(meta: QMeta, wdt) -> int:
 def _codes(planes, meta: QMeta, t: int, wdt, bias: int):
     """Slab t of the super-step as [S, bn] in wdt: code + 128 (bf16 trick) or the exact value."""
     T = meta.step // meta.slab
-    code, shift = None, 0
-    for p, b in enumerate(meta.bits):
-        C = 8 // b
-        v = planes[p, t // T, (t % T) // C].astype(jnp.int32)
-        slot = (t % T) % C
-        if slot:
-            v = v >> (slot * b)
-        if slot != C - 1:  # the top slot needs no mask: the byte has no higher bits
-            v = v & ((1 << b) - 1)
-        code = v if code is None else code | (v << shift)
-        shift += b
+    code = slab_code(lambda p, blk: planes[p, t // T, blk], meta, t % T)
     if meta.code != "int":
         return minifloat(code, meta.code).astype(wdt)
     if bias:

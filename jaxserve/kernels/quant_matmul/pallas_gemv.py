@@ -184,12 +184,14 @@ def _slots(byte, b: int, zp: int):
     return [fs[c] - fs[c + 1] if c + 1 < C else fs[c] - f32(2.0 ** 23 + zp) for c in range(C)]
 
 
-def _code_int(rows, meta: QMeta, t: int):
-    """Integer codes of slab t (int32 [bn]) from the loaded plane rows: the float-code path."""
+def slab_code(byte_of, meta: QMeta, t: int):
+    """Integer codes (int32) of slab t of a step, from its planes' bytes: byte_of(p, blk) is plane p's
+    loaded byte tile (or row) blk of the step, which holds slab t in bit slot t % (8 // b). Shared by
+    every Pallas quantized-matmul kernel that unpacks slabs."""
     code, shift = None, 0
     for p, b in enumerate(meta.bits):
         C = 8 // b
-        v = rows[p, t // C].astype(jnp.int32)
+        v = byte_of(p, t // C).astype(jnp.int32)
         if t % C:
             v = v >> (t % C * b)
         if t % C != C - 1:  # the top slot needs no mask: the byte has no higher bits
@@ -227,7 +229,7 @@ def _fold_chunk(w, x_ref, r0, i0, n: int, parts: dict, *, meta: QMeta, M, gkey):
                     q = q + vals[p, t // C][t % C] * f32(2.0 ** (shift - t % C * b + c0 * b0))
                     shift += b
             else:
-                q, c0 = minifloat(_code_int(rows, meta, t), meta.code), 0
+                q, c0 = minifloat(slab_code(lambda p, blk: rows[p, blk], meta, t), meta.code), 0
             for m in range(M):
                 xq = q * x_ref[m, r0 + t * S + i0 + di]
                 key = (gkey(t), c0, m)

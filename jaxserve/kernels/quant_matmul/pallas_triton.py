@@ -153,17 +153,7 @@ def _step(refs, layer, x_ref, r0, acc, *, meta: QMeta, m0, bm, cols, mode, wdt):
         return s, o, z
 
     for t in range(L // S):
-        code, shift = None, 0
-        for p, b in enumerate(meta.bits):
-            C = 8 // b
-            slot = t % C
-            v = plane(p, t // C).astype(jnp.int32)
-            if slot:
-                v = v >> (slot * b)
-            if slot != C - 1:  # the top slot needs no mask: the byte has no higher bits
-                v = v & ((1 << b) - 1)
-            code = v if code is None else code | (v << shift)
-            shift += b
+        code = pallas_gemv.slab_code(plane, meta, t)
         s, o, z = group(t)
         # exact small integers, or the float codes' exact values
         q = _code_f32(code, z, meta.zp) if meta.code == "int" else minifloat(code, meta.code)
