@@ -172,7 +172,8 @@ def main(argv=None):
     ap.add_argument("--qmm-decode", default=None,
                     help="MODE:MAX_M[:REDUCE]: the quant matmul kernel used for M <= MAX_M rows (e.g. gemv:4; default: "
                          "'bdot' where it applies, else pallas_triton.DECODE_MODE, for M <= DECODE_MAX_M); "
-                         "kmajor / dp4a (experiments): 4-bit weights get a K-contiguous code copy first")
+                         "kmajor / dp4a (experiments): 4-bit weights get a K-major code copy first, and a third "
+                         "field passes their keyword arguments, e.g. dp4a:4:xq=kernel,block_n=64")
     ap.add_argument("--attn-decode", default=None,
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
@@ -201,8 +202,10 @@ def main(argv=None):
         if mode in ("kmajor", "dp4a"):  # experiments over a K-contiguous code copy (attached below)
             from jaxserve.kernels.quant_matmul import pallas_kmajor
 
+            kw = dict(kv.split("=") for kv in reduce[0].split(",")) if reduce else {}  # MODE:MAX_M:K=V,...
+            kw = {k: int(v) if v.isdigit() else v for k, v in kw.items()}
             qmatmul = functools.partial(pallas_kmajor.qmatmul_with_copy, decode_mode=mode,
-                                        decode_max_m=int(max_m))
+                                        decode_max_m=int(max_m), **kw)
         else:
             qmatmul = functools.partial(qpt.qmatmul, decode_mode=mode, decode_max_m=int(max_m),
                                         **({"reduce": reduce[0]} if reduce else {}))
@@ -252,7 +255,7 @@ def main(argv=None):
                 if args.qmm_decode and args.qmm_decode.split(":")[0] in ("kmajor", "dp4a"):
                     from jaxserve.kernels.quant_matmul import pallas_kmajor
 
-                    weights = pallas_kmajor.attach(weights, words=args.qmm_decode.startswith("dp4a"))
+                    weights = pallas_kmajor.attach(weights, layout=args.qmm_decode.split(":")[0])
                 print(f"# random {quant} weights built in {time.perf_counter() - t:.1f}s", flush=True)
             fused = True
         elif fuse and not fused:  # unfused variants ran first: their arrays can go

@@ -81,9 +81,11 @@ SWEEP = {
         dict(mode="kmajor", block_n=128), dict(mode="kmajor", num_warps=8, block_n=128),
         dict(mode="kmajor", splits=4), dict(mode="kmajor", splits=16), dict(mode="kmajor", num_stages=3),
         # the experimental int8-x DP4A kernel (pallas_dp4a.py; q4k only here)
-        dict(mode="dp4a", block_n=64), dict(mode="dp4a", block_n=256), dict(mode="dp4a", num_warps=2),
-        dict(mode="dp4a", num_warps=8, block_n=256), dict(mode="dp4a", splits=4), dict(mode="dp4a", splits=16),
-        dict(mode="dp4a", num_stages=3)],
+        dict(mode="dp4a", xq="kernel"), dict(mode="dp4a", xq="kernel", block_n=64),
+        dict(mode="dp4a", xq="kernel", block_k=512), dict(mode="dp4a", block_n=16), dict(mode="dp4a", block_n=64), dict(mode="dp4a", block_k=512),
+        dict(mode="dp4a", block_k=2048, block_n=16), dict(mode="dp4a", num_warps=2),
+        dict(mode="dp4a", num_warps=8, block_n=64), dict(mode="dp4a", splits=1), dict(mode="dp4a", splits=8),
+        dict(mode="dp4a", num_stages=2), dict(mode="dp4a", num_stages=4)],
     4: [dict(mode="gemv", splits="half"), dict(mode="gemv", splits="double"), dict(mode="gemv", block_n=1024),
         dict(mode="gemv", rows=8), dict(mode="gemv", reduce="atomic"), dict(mode="gemv", prefetch=0),
         dict(mode="dot", splits="double")],
@@ -131,23 +133,22 @@ def _mode_ok(mode, M, meta=None):
 
 def call(x, q, layer=None, kw=None, interpret=False):
     """One matmul: kw None = the jnp reference; mode 'kmajor' = the experimental K-contiguous kernel
-    (q is then (QWeight, its K-contiguous code copy as bytes, the same as int32 words)); else
+    (q is then (QWeight, kmajor's code copy, dp4a's code copy)); else
     pallas_triton.qmatmul(**kw)."""
-    qw, qk, qk_words = q if isinstance(q, tuple) else (q, None, None)
+    qw, qk, qk_dp4a = q if isinstance(q, tuple) else (q, None, None)
     if kw is None:
         return ref.qmatmul(x, qw, layer=layer)
     if kw.get("mode") in KMAJOR:
-        fn, copy = (km.qmatmul, qk) if kw["mode"] == "kmajor" else (dp.qmatmul, qk_words)
+        fn, copy = (km.qmatmul, qk) if kw["mode"] == "kmajor" else (dp.qmatmul, qk_dp4a)
         return fn(x, qw, copy, layer=layer, interpret=interpret, **{k: v for k, v in kw.items() if k != "mode"})
     return pt.qmatmul(x, qw, layer=layer, interpret=interpret, **kw)
 
 
 def with_kmajor(qw, modes):
-    """(qw, K-contiguous copy, the copy as int32 words) when a kmajor/dp4a variant may run on it, else
-    qw. Both views are made once: a per-call view conversion inside the timed loop could be a copy."""
+    """(qw, kmajor's code copy, dp4a's code copy) when a kmajor/dp4a variant may run on it, else qw.
+    Both copies are made once, outside the timed loop."""
     if set(KMAJOR) & set(modes) and km.supports(qw.meta, 1):
-        qk = jax.jit(km.repack)(qw)
-        return qw, qk, jax.jit(dp.words)(qk)
+        return qw, jax.jit(km.repack)(qw), jax.jit(dp.repack)(qw)
     return qw
 
 
@@ -176,13 +177,22 @@ def run_checks(formats, shapes, small, interpret, modes):
                     want = jnp.dot(x.astype(jnp.float32), w32)
                 variants = [("reference", None)] + [(_label(_mode_kw(m)), _mode_kw(m))
                                                     for m in _modes_for(qw.meta, M, modes)]
+                if any(kw and kw.get("mode") == "dp4a" for _, kw in variants):  # x rounded in-kernel too
+                    variants.append((_label(dict(mode="dp4a", xq="kernel")), dict(mode="dp4a", xq="kernel")))
                 for label, kw in variants:
                     try:
                         got = jax.jit(lambda x, q, kw=kw: call(x, q, kw=kw, interpret=interpret))(x, q)
                         err, finite = rel_err(got, want)
                         ok = finite and err < 1e-2
+                        if kw and kw.get("mode") == "dp4a":  # its own function: x_hat @ W, bf16 rounding
+                            with jax.default_matmul_precision("highest"):
+                                exact, _ = rel_err(got, jnp.dot(dp.x_hat(x), w32))
+                            ok = ok and exact < 4e-3
+                            label_x = f" (vs x_hat @ W {exact:.2e})"
+                        else:
+                            label_x = ""
                         print(f"{fmt:5s} {sname:20s} M={M:<4d} {label:16s} rel err {err:.2e} "
-                              f"{'OK' if ok else 'FAIL'}", flush=True)
+                              f"{'OK' if ok else 'FAIL'}{label_x}", flush=True)
                         emit(dict(kind="check", fmt=fmt, shape=sname, M=M, impl=label, rel_err=err,
                                   finite=finite, ok=ok))
                     except Exception as e:

@@ -71,8 +71,9 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
                 from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_kmajor as km
 
                 kkw = {k: v for k, v in kw.items() if k != "mode"}
-                qk = km.repack(qw)
-                fn = km.qmatmul if kw["mode"] == "kmajor" else pallas_dp4a.qmatmul
+                rep, fn = ((km.repack, km.qmatmul) if kw["mode"] == "kmajor"
+                           else (pallas_dp4a.repack, pallas_dp4a.qmatmul))
+                qk = rep(qw)
                 jax.jit(lambda x, q, qk: fn(x, q, qk, interpret=False, **kkw)).trace(x, qw, qk).lower(
                     lowering_platforms=("cuda",))
             else:
@@ -83,7 +84,10 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
         pt._compiler_params = orig_cp
     if kmajor:
         bn = kw.get("block_n", fn.__kwdefaults__["block_n"])
-        return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=bn), qw.meta
+        rows = 256  # kmajor: one run of 256 rows per iteration; dp4a: S sub-groups of 32
+        if kw["mode"] == "dp4a":
+            rows = 32 * pallas_dp4a.step_subgroups(qw.meta.Kp, kw.get("block_k", fn.__kwdefaults__["block_k"]))
+        return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=bn, rows=rows), qw.meta
     plan = pt.plan(qw.meta, M, **{k: v for k, v in kw.items() if k not in ("num_stages",)})
     return got[-1], params[-1][0], params[-1][1], plan, qw.meta
 
@@ -142,8 +146,8 @@ def loop_stats(sass: str, inner_trips: int = 1):
 
 def weights_per_iteration(plan, meta, warps):
     """Weights of W one thread covers per loop iteration (for every row of x at once)."""
-    if plan["mode"] == "kmajor":  # one run of 256 rows per iteration
-        return 256 * plan["bn"] // (32 * warps)
+    if plan["mode"] == "kmajor":  # the K-major experiments: plan["rows"] rows per iteration
+        return plan["rows"] * plan["bn"] // (32 * warps)
     if plan["mode"] == "bdot":  # one super-step of G slabs per iteration
         return plan["G"] * meta.slab * plan["bn"] // (32 * warps)
     return plan["u"] * meta.step * plan["bn"] // (32 * warps)

@@ -252,22 +252,28 @@ def test_kmajor_experiment(fmt, M, dtype):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4"])
-@pytest.mark.parametrize("M", [1, 3])
-def test_dp4a_experiment(fmt, M):
+@pytest.mark.parametrize("M,block_k,xq", [(1, 1024, "xla"), (3, 64, "xla"), (2, 128, "kernel")])
+def test_dp4a_experiment(fmt, M, block_k, xq):
     """The experimental integer-dot kernel (pallas_dp4a.py, interpreted): x is rounded to int8 per 32
-    rows, so the oracle is that function exactly, x_hat @ W with x_hat the dequantized int8 x; and it
-    stays within 2e-2 of x @ W."""
+    rows, so the oracle is that function exactly, x_hat @ W; and it stays within 2e-2 of x @ W. Its
+    code copy holds every code once (unpacked back here); several K splits, a stacked weight, and x
+    rounded by XLA ops before the kernel or inside it (xq)."""
     from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
-    from jaxserve.kernels.quant_matmul import pallas_kmajor as km
+    from jaxserve.quant.qweight import codes
 
-    qw = _weight(fmt, k=512, n=64)
+    qw = _weight(fmt, k=512, n=64, layers=2)
+    qk = dp.repack(qw)
+    assert qk.shape == (2, 64, 16, 4) and qk.dtype == jnp.int32
+    b = np.asarray(jax.lax.bitcast_convert_type(qk, jnp.uint8)).reshape(2, 64, 64, 4)  # [L, N, word, byte]
+    c = np.asarray(codes(qw)).reshape(2, 64, 2, 4, 64)  # [L, word, half, byte, N]
+    np.testing.assert_array_equal(b & 15, np.moveaxis(c[:, :, 0], -1, 1))  # rows 8w + byte
+    np.testing.assert_array_equal(b >> 4, np.moveaxis(c[:, :, 1], -1, 1))  # rows 8w + 4 + byte
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), jnp.float32)
-    y = np.asarray(dp.qmatmul(x, qw, km.repack(qw), block_n=32, interpret=True), np.float64)
-    xw, dx, _ = dp.quantize_x(x)
-    xq = np.asarray(jax.lax.bitcast_convert_type(xw, jnp.int8), np.float64).reshape(M, 512)
-    x_hat = xq * np.repeat(np.asarray(dx, np.float64), dp.SUB, axis=1)
-    _check(y, _oracle(x_hat, qw))
-    _check(y, _oracle(x, qw), rtol=2e-2)
+    _, _, splits, _, _ = dp.plan(qw.meta, 32, block_k, None)
+    assert splits == {1024: 1, 64: 8, 128: 4}[block_k]
+    y = np.asarray(dp.qmatmul(x, qw, qk, layer=1, block_n=32, block_k=block_k, xq=xq, interpret=True), np.float64)
+    _check(y, _oracle(np.asarray(dp.x_hat(x), np.float64), qw, 1))
+    _check(y, _oracle(x, qw, 1), rtol=2e-2)
 
 
 def test_decode_kernel_choice():
@@ -308,7 +314,7 @@ def test_kmajor_benchmark_wiring():
         out = y(tree, x)
         _check(out["a"], _oracle(x, q4))
         _check(out["b"], _oracle(x, q6))
-    words = km.attach({"a": q4}, words=True)["a"]  # dp4a's int32 view, stored once
-    assert words.arrays["qk"].dtype == jnp.int32 and words.arrays["qk"].shape == (128, 64)
+    words = km.attach({"a": q4}, layout="dp4a")["a"]  # dp4a's own copy, made once
+    assert words.arrays["qk"].dtype == jnp.int32 and words.arrays["qk"].shape == (128, 16, 4)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 512)), jnp.float32)
     _check(km.qmatmul_with_copy(x, words, decode_mode="dp4a", interpret=True), _oracle(x, q4), rtol=2e-2)

@@ -168,26 +168,25 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=64, splits=None, num_warp
 
 
 # ------------------------------------------------------------------- benchmark wiring (experiment)
-def attach(weights, words: bool = False):
-    """Every one-plane 4-bit QWeight of a weights tree gains its K-contiguous copy as the extra leaf
+def attach(weights, layout: str = "kmajor"):
+    """Every one-plane 4-bit QWeight of a weights tree gains a K-major code copy as the extra leaf
     'qk' (QWeight flattens every array it holds, so the copy travels through jit; the other kernels
-    read only their own leaves). For benchmarks: it adds the codes' bytes once more. words: store it
-    as int32 words (pallas_dp4a's view) so no call converts it."""
-    def one(w):
-        if isinstance(w, QWeight) and supports(w.meta, 1) and "qk" not in w.arrays:
-            qk = repack(w)
-            if words:
-                from jaxserve.kernels.quant_matmul.pallas_dp4a import words as as_words
+    read only their own leaves): `repack`'s for layout 'kmajor', pallas_dp4a.repack's for 'dp4a'.
+    For benchmarks: it adds the codes' bytes once more."""
+    from jaxserve.kernels.quant_matmul import pallas_dp4a
 
-                qk = as_words(qk)
-            return QWeight(w.meta, dict(w.arrays, qk=qk))
+    ok, rep = {"kmajor": (supports, repack), "dp4a": (pallas_dp4a.supports, pallas_dp4a.repack)}[layout]
+
+    def one(w):
+        if isinstance(w, QWeight) and ok(w.meta, 1) and "qk" not in w.arrays:
+            return QWeight(w.meta, dict(w.arrays, qk=rep(w)))
         return w
     return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
 
 
 def qmatmul_with_copy(x, qw: QWeight, *, decode_mode: str = "dp4a", decode_max_m: int = 4, **kw):
-    """A runner `qmatmul`: M <= decode_max_m rows of x on a weight carrying 'qk' (see `attach`) go to
-    the K-contiguous kernel `decode_mode` ('kmajor' or 'dp4a'); everything else to pallas_triton."""
+    """A runner `qmatmul`: M <= decode_max_m rows of x on a weight carrying 'qk' (see `attach`, with the
+    same layout) go to the K-major kernel `decode_mode` ('kmajor' or 'dp4a'); the rest to pallas_triton."""
     from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_triton
 
     M = math.prod(x.shape[:-1])
