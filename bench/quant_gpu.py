@@ -82,7 +82,8 @@ SWEEP = {
         dict(mode="kmajor", splits=4), dict(mode="kmajor", splits=16), dict(mode="kmajor", num_stages=3),
         # the experimental int8-x DP4A kernel (pallas_dp4a.py; q4k only here)
         dict(mode="dp4a", xq="kernel"), dict(mode="dp4a", xq="kernel", block_n=64),
-        dict(mode="dp4a", xq="kernel", block_k=512), dict(mode="dp4a", block_n=16), dict(mode="dp4a", block_n=64), dict(mode="dp4a", block_k=512),
+        dict(mode="dp4a", xq="kernel", block_k=512), dict(mode="dp4a", xq="kernel", splits=1),
+        dict(mode="dp4a", xq="kernel", splits=1, block_n=16), dict(mode="dp4a", block_n=16), dict(mode="dp4a", block_n=64), dict(mode="dp4a", block_k=512),
         dict(mode="dp4a", block_k=2048, block_n=16), dict(mode="dp4a", num_warps=2),
         dict(mode="dp4a", num_warps=8, block_n=64), dict(mode="dp4a", splits=1), dict(mode="dp4a", splits=8),
         dict(mode="dp4a", num_stages=2), dict(mode="dp4a", num_stages=4)],

@@ -162,7 +162,7 @@ def _kernel(layer_ref, *refs, names, meta, M, bn, S, per, nsteps, zp, xq, interp
     b1 = jnp.minimum(b0 + per, nsteps)
     acc = lax.fori_loop(b0, b1, body, tuple(jnp.zeros((bn,), f32) for _ in range(M)))
     for m in range(M):
-        o_ref[ks, m, pl.ds(n0, bn)] = acc[m]
+        o_ref[ks, m, pl.ds(n0, bn)] = acc[m].astype(o_ref.dtype)
 
 
 def step_subgroups(Kp: int, block_k: int) -> int:
@@ -219,7 +219,10 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
         cp = _compiler_params(num_warps, num_stages)
     args = (layer, *xs, qk, *leaves)
     full = pl.BlockSpec()
+    # one K split: the kernel writes x's dtype itself (no reduction or convert kernel after it)
+    odt = x.dtype if splits == 1 else jnp.float32
     out = pl.pallas_call(kernel, grid=(tiles, splits), in_specs=[full] * len(args), out_specs=full,
-                         out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), jnp.float32), interpret=interpret,
+                         out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
                          compiler_params=cp, name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}_{xq}")(*args)
-    return jnp.sum(out, axis=0).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
+    out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
+    return out.reshape(*x.shape[:-1], meta.N)
