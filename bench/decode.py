@@ -72,7 +72,7 @@ def _read_bytes(w) -> int:
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
-                 fuse=None, batch=1, fused_rope_kv=None, qmatmul=None):
+                 fuse=None, batch=1, fused_rope_kv=None, qmatmul=None, int8_activations=False):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -81,7 +81,7 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         num_blocks=num_blocks, decode_steps=steps, dtype="bfloat16",
                         max_logprobs=max_logprobs, seq_buckets=(batch,), prefill_chunk_size=256,
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
-                        fused_rope_kv=fused_rope_kv,
+                        fused_rope_kv=fused_rope_kv, int8_activations=int8_activations,
                         scan_layers=False)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
@@ -174,6 +174,8 @@ def main(argv=None):
                          "'bdot' where it applies, else pallas_triton.DECODE_MODE, for M <= DECODE_MAX_M); "
                          "kmajor / dp4a (experiments): 4-bit weights get a K-major code copy first, and a third "
                          "field passes their keyword arguments, e.g. dp4a:4:xq=kernel,block_n=64")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="the engine's int8_activations option (integer-dot decode matmuls of 4-bit weights)")
     ap.add_argument("--attn-decode", default=None,
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
@@ -199,13 +201,13 @@ def main(argv=None):
         from jaxserve.kernels.quant_matmul import pallas_triton as qpt
 
         mode, max_m, *reduce = args.qmm_decode.split(":")
-        if mode in ("kmajor", "dp4a"):  # experiments over a K-contiguous code copy (attached below)
-            from jaxserve.kernels.quant_matmul import pallas_kmajor
+        if mode in ("kmajor", "dp4a"):  # over a K-major code copy (attached below)
+            from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_kmajor
 
             kw = dict(kv.split("=") for kv in reduce[0].split(",")) if reduce else {}  # MODE:MAX_M:K=V,...
             kw = {k: int(v) if v.isdigit() else v for k, v in kw.items()}
-            qmatmul = functools.partial(pallas_kmajor.qmatmul_with_copy, decode_mode=mode,
-                                        decode_max_m=int(max_m), **kw)
+            qmatmul = (functools.partial(pallas_kmajor.qmatmul_with_copy, decode_max_m=int(max_m), **kw)
+                       if mode == "kmajor" else functools.partial(pallas_dp4a.engine_qmatmul, max_m=int(max_m), **kw))
         else:
             qmatmul = functools.partial(qpt.qmatmul, decode_mode=mode, decode_max_m=int(max_m),
                                         **({"reduce": reduce[0]} if reduce else {}))
@@ -253,9 +255,10 @@ def main(argv=None):
                                                head_fmt="q6k" if quant == "q4k" else None)
                 weights = dict(tf.fuse_projections(weights), _quant=quant)
                 if args.qmm_decode and args.qmm_decode.split(":")[0] in ("kmajor", "dp4a"):
-                    from jaxserve.kernels.quant_matmul import pallas_kmajor
+                    from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_kmajor
 
-                    weights = pallas_kmajor.attach(weights, layout=args.qmm_decode.split(":")[0])
+                    mod = pallas_kmajor if args.qmm_decode.startswith("kmajor") else pallas_dp4a
+                    weights = mod.attach(weights)
                 print(f"# random {quant} weights built in {time.perf_counter() - t:.1f}s", flush=True)
             fused = True
         elif fuse and not fused:  # unfused variants ran first: their arrays can go
@@ -265,7 +268,7 @@ def main(argv=None):
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv],
-                              qmatmul=qmatmul)
+                              qmatmul=qmatmul, int8_activations=args.int8_activations)
         t = time.perf_counter()
         try:
             runner.compile(("decode", B))

@@ -148,8 +148,9 @@ def call(x, q, layer=None, kw=None, interpret=False):
 def with_kmajor(qw, modes):
     """(qw, kmajor's code copy, dp4a's code copy) when a kmajor/dp4a variant may run on it, else qw.
     Both copies are made once, outside the timed loop."""
-    if set(KMAJOR) & set(modes) and km.supports(qw.meta, 1):
-        return qw, jax.jit(km.repack)(qw), jax.jit(dp.repack)(qw)
+    k, d = "kmajor" in modes and km.supports(qw.meta, 1), "dp4a" in modes and dp.supports(qw.meta, 1)
+    if k or d:
+        return qw, jax.jit(km.repack)(qw) if k else None, jax.jit(dp.repack)(qw) if d else None
     return qw
 
 
@@ -187,7 +188,7 @@ def run_checks(formats, shapes, small, interpret, modes):
                         ok = finite and err < 1e-2
                         if kw and kw.get("mode") == "dp4a":  # its own function: x_hat @ W, bf16 rounding
                             with jax.default_matmul_precision("highest"):
-                                exact, _ = rel_err(got, jnp.dot(dp.x_hat(x), w32))
+                                exact, _ = rel_err(got, jnp.dot(dp.x_hat(x, dp.layout(qw.meta)[1]), w32))
                             ok = ok and exact < 4e-3
                             label_x = f" (vs x_hat @ W {exact:.2e})"
                         else:

@@ -86,7 +86,9 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
         bn = kw.get("block_n", fn.__kwdefaults__["block_n"])
         rows = 256  # kmajor: one run of 256 rows per iteration; dp4a: S sub-groups of 32
         if kw["mode"] == "dp4a":
-            rows = 32 * pallas_dp4a.step_subgroups(qw.meta.Kp, kw.get("block_k", fn.__kwdefaults__["block_k"]))
+            sub = pallas_dp4a.layout(qw.meta)[1]
+            rows = sub * pallas_dp4a.step_subgroups(qw.meta.Kp // sub, kw.get("block_k", fn.__kwdefaults__["block_k"]),
+                                                    sub)
         return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=bn, rows=rows), qw.meta
     plan = pt.plan(qw.meta, M, **{k: v for k, v in kw.items() if k not in ("num_stages",)})
     return got[-1], params[-1][0], params[-1][1], plan, qw.meta

@@ -31,6 +31,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="quantize dense matmul weights at load: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k")
     g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
                    help="keep quantized weights packed on the device (auto: on a GPU with one device)")
+    g.add_argument("--int8-activations", action="store_true",
+                   help="decode matmuls of packed 4-bit weights (q4_0, q4_1, q4k, GPTQ/AWQ int4) round "
+                        "activations to int8 and use integer dot products, as llama.cpp does: faster on a "
+                        "GPU, ~5e-3 from the exact matmul (one device; those codes are held twice)")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--d", dest="d", default=None, metavar="IDS",
@@ -102,6 +106,8 @@ def engine_config_from_args(args):
         kw["isq"] = args.isq
     if getattr(args, "packed", "auto") != "auto":
         kw["packed_weights"] = args.packed == "on"
+    if getattr(args, "int8_activations", False):
+        kw["int8_activations"] = True
     return EngineConfig(**kw)
 
 

@@ -251,29 +251,46 @@ def test_kmajor_experiment(fmt, M, dtype):
     _check(y, _oracle(np.asarray(x, np.float32), qs, 1), rtol=2e-5 if dtype == "float32" else 1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4", "q5_0", "q5k", "q6k", "q8_0", "int8"])
 @pytest.mark.parametrize("M,block_k,xq", [(1, 1024, "xla"), (3, 64, "xla"), (2, 128, "kernel")])
-def test_dp4a_experiment(fmt, M, block_k, xq):
-    """The experimental integer-dot kernel (pallas_dp4a.py, interpreted): x is rounded to int8 per 32
-    rows, so the oracle is that function exactly, x_hat @ W; and it stays within 2e-2 of x @ W. Its
-    code copy holds every code once (unpacked back here); several K splits, a stacked weight, and x
-    rounded by XLA ops before the kernel or inside it (xq)."""
+def test_dp4a_kernel(fmt, M, block_k, xq):
+    """The integer-dot kernel (pallas_dp4a.py, interpreted): x is rounded to int8 per sub-group (32
+    rows; 16 for q6k's 16-row groups), so the oracle is that function exactly, x_hat @ W (also its jnp
+    `reference`); and it stays within 2e-2 of x @ W. Its code copy holds every code once (unpacked
+    back here: 4-bit codes as nibble pairs, wider ones as bytes); several K splits, a stacked weight,
+    and x rounded by XLA ops before the kernel or inside it (xq)."""
     from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
     from jaxserve.quant.qweight import codes
 
     qw = _weight(fmt, k=512, n=64, layers=2)
+    kind, sub, words = dp.layout(qw.meta)
+    assert (kind, sub) == (("nibble", 32) if fmt in ("q4_0", "q4_1", "q4k", "int4") else
+                           ("byte", 16 if fmt == "q6k" else 32))
     qk = dp.repack(qw)
-    assert qk.shape == (2, 64, 16, 4) and qk.dtype == jnp.int32
-    b = np.asarray(jax.lax.bitcast_convert_type(qk, jnp.uint8)).reshape(2, 64, 64, 4)  # [L, N, word, byte]
-    c = np.asarray(codes(qw)).reshape(2, 64, 2, 4, 64)  # [L, word, half, byte, N]
-    np.testing.assert_array_equal(b & 15, np.moveaxis(c[:, :, 0], -1, 1))  # rows 8w + byte
-    np.testing.assert_array_equal(b >> 4, np.moveaxis(c[:, :, 1], -1, 1))  # rows 8w + 4 + byte
+    assert qk.shape == (2, 64, 512 // sub, words) and qk.dtype == jnp.int32
+    c = np.asarray(codes(qw))  # [L, K, N]
+    if kind == "nibble":
+        b = np.asarray(jax.lax.bitcast_convert_type(qk, jnp.uint8)).reshape(2, 64, 64, 4)  # [L, N, word, byte]
+        c = c.reshape(2, 64, 2, 4, 64)  # [L, word, half, byte, N]
+        np.testing.assert_array_equal(b & 15, np.moveaxis(c[:, :, 0], -1, 1))  # rows 8w + byte
+        np.testing.assert_array_equal(b >> 4, np.moveaxis(c[:, :, 1], -1, 1))  # rows 8w + 4 + byte
+    else:
+        b = np.asarray(jax.lax.bitcast_convert_type(qk, jnp.uint8)).reshape(2, 64, 512)  # [L, N, K]
+        np.testing.assert_array_equal(b, np.moveaxis(c, -1, 1))
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), jnp.float32)
     _, _, splits, _, _ = dp.plan(qw.meta, 32, block_k, None)
-    assert splits == {1024: 1, 64: 8, 128: 4}[block_k]
+    assert splits == 512 // sub // dp.step_subgroups(512 // sub, block_k, sub)
     y = np.asarray(dp.qmatmul(x, qw, qk, layer=1, block_n=32, block_k=block_k, xq=xq, interpret=True), np.float64)
-    _check(y, _oracle(np.asarray(dp.x_hat(x), np.float64), qw, 1))
+    _check(y, _oracle(np.asarray(dp.x_hat(x, sub), np.float64), qw, 1))
+    _check(y, np.asarray(dp.reference(x, qw[1]), np.float64), rtol=1e-5)
     _check(y, _oracle(x, qw, 1), rtol=2e-2)
+
+
+def test_dp4a_scope():
+    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
+
+    assert not dp.supports(_weight("q2k").meta, 1) and not dp.supports(_weight("q3k").meta, 1)
+    assert dp.supports(_weight("q4k").meta, 4) and not dp.supports(_weight("q4k").meta, 5)
 
 
 def test_decode_kernel_choice():
@@ -298,23 +315,26 @@ def test_decode_kernel_choice():
     _check(pt.qmatmul(x, q4k, decode_mode="gemv", decode_max_m=4, rows=4, interpret=True), _oracle(x, q4k))
 
 
-def test_kmajor_benchmark_wiring():
-    """pallas_kmajor.attach adds the K-contiguous copy to 4-bit QWeights only; qmatmul_with_copy (a
-    runner `qmatmul` for bench/decode.py) sends small M there and the rest to pallas_triton."""
+def test_code_copy_wiring():
+    """pallas_kmajor.attach / pallas_dp4a.attach add their code copy to the QWeights their kernel takes
+    only (kmajor: one 4-bit plane; dp4a: also 5-8-bit codes such as q6k, not q2k); the matmuls over
+    them (kmajor's benchmark qmatmul, dp4a's engine_qmatmul) send small M there and the rest to the
+    platform's default kernel on the same weights, inside one jitted program."""
+    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
     from jaxserve.kernels.quant_matmul import pallas_kmajor as km
 
-    q4, q6 = _weight("q4k", k=512, n=128), _weight("q6k", k=512, n=128)
-    tree = km.attach({"a": q4, "b": q6, "c": jnp.ones(3)})
-    assert "qk" in tree["a"].arrays and "qk" not in tree["b"].arrays
-    y = jax.jit(lambda t, x: jax.tree.map(
-        lambda w: km.qmatmul_with_copy(x, w, decode_mode="kmajor", decode_max_m=2, interpret=True),
-        {"a": t["a"], "b": t["b"]}, is_leaf=lambda w: hasattr(w, "meta")))
-    for M in (1, 3):  # M=3: above decode_max_m, pallas_triton (interpreted) on the same weights
-        x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), jnp.float32)
-        out = y(tree, x)
-        _check(out["a"], _oracle(x, q4))
-        _check(out["b"], _oracle(x, q6))
-    words = km.attach({"a": q4}, layout="dp4a")["a"]  # dp4a's own copy, made once
-    assert words.arrays["qk"].dtype == jnp.int32 and words.arrays["qk"].shape == (128, 16, 4)
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 512)), jnp.float32)
-    _check(km.qmatmul_with_copy(x, words, decode_mode="dp4a", interpret=True), _oracle(x, q4), rtol=2e-2)
+    ws = {"a": _weight("q4k", k=512, n=128), "b": _weight("q6k", k=512, n=128), "c": _weight("q2k", k=512, n=128)}
+    for mod, mm, copies in ((km, functools.partial(km.qmatmul_with_copy, decode_max_m=2, interpret=True), "a"),
+                            (dp, functools.partial(dp.engine_qmatmul, interpret=True), "ab")):
+        tree = mod.attach({**ws, "d": jnp.ones(3)})
+        assert {k for k in ws if "qk" in tree[k].arrays} == set(copies)
+        y = jax.jit(lambda t, x, mm=mm: jax.tree.map(lambda w: mm(x, w), {k: t[k] for k in ws},
+                                                     is_leaf=lambda w: hasattr(w, "meta")))
+        for M in (1, 3):  # M=3: above the copy's max M, the default kernel on the same weights
+            x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), jnp.float32)
+            out = y(tree, x)
+            for k, w in ws.items():
+                rounded = k in copies and M == 1 and mod is dp  # x rounded to int8: x_hat @ W
+                _check(out[k], _oracle(x, w), rtol=2e-2 if rounded else 2e-5)
+                if rounded:
+                    _check(out[k], np.asarray(dp.reference(x, w), np.float64))

@@ -142,6 +142,8 @@ class ModelRunner:
             raise ValueError("fuse_projections needs a single device (no mesh)")
         if fuse and not _is_fused(weights):
             self.weights = weights = tf.fuse_projections(weights)
+        if ecfg.int8_activations:
+            self.weights = weights = self._int8_activations(weights, platform)
         self.num_top = ecfg.max_logprobs
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
         self.MB = ecfg.max_blocks_per_seq
@@ -177,6 +179,25 @@ class ModelRunner:
         self._compiled: dict[tuple, Any] = {}
         self._frozen = False
         self.compile_seconds = 0.0
+
+    def _int8_activations(self, weights, platform):
+        """EngineConfig.int8_activations: one-plane 4-bit packed weights gain the integer-dot kernel's
+        K-major code copy, and that kernel becomes the decode matmul (unless a qmatmul was given)."""
+        from jaxserve.kernels.quant_matmul import pallas_dp4a
+        from jaxserve.quant.qweight import QWeight
+
+        if self.mesh is not None:
+            raise ValueError("int8_activations needs a single device (no mesh)")
+        weights = pallas_dp4a.attach(weights)
+        n = sum(isinstance(w, QWeight) and "qk" in w.arrays
+                for w in jax.tree.leaves(weights, is_leaf=lambda w: isinstance(w, QWeight)))
+        if not n:
+            log.warning("int8_activations: no packed one-plane 4-bit weights (q4_0, q4_1, q4k, int4); no effect")
+        elif platform == "cpu":
+            log.warning("int8_activations on CPU runs the Pallas interpreter: slow, for tests only")
+        if self.qmatmul is None:
+            self.qmatmul = pallas_dp4a.engine_qmatmul
+        return weights
 
     # ------------------------------------------------------------------ programs
     def program_keys(self) -> list[tuple]:

@@ -1,34 +1,38 @@
-"""EXPERIMENT (not used by the engine yet): integer-dot decode GEMV over 4-bit codes stored K-major.
+"""Integer-dot decode GEMV over int8 activations and integer codes stored K-major (the engine's
+`int8_activations` option: `attach` + `engine_qmatmul`).
 
-The kernels that turn every weight into a float ('fma', 'bdot', 'kmajor') stay bound by their
-instruction stream (4.5-7.3 instructions per 4-bit weight in offline SASS, bench/RESULTS.md). Here,
-as llama.cpp's MMVQ does, x is quantized to int8 per 32 rows (scale dx = max|x| / 127) and the
-codes are never converted. The codes get their own copy (`repack`), per output column, K-major in
-32-bit words:
+The kernels that turn every weight into a float ('fma', 'bdot') stay bound by their instruction
+stream (6-7 instructions per 4-bit weight in offline SASS, bench/RESULTS.md). Here, as llama.cpp's
+MMVQ does, x is rounded to int8 per sub-group of `sub` rows (32, or 16 for formats whose groups are 16
+rows; scale dx = max|x| / 127) and the codes are never converted. They get their own copy (`repack`),
+per output column, K-major in 32-bit words, in one of two layouts:
 
-    word w of column n: byte c (c = 0..3) holds code[8w + c] in its low nibble and code[8w + 4 + c]
-    in its high nibble,
+* 'nibble' (one 4-bit plane: q4_0, q4_1, q4k, GPTQ/AWQ int4): byte c (0..3) of word w holds code[8w + c]
+  in its low nibble and code[8w + 4 + c] in its high nibble, so `dp4a(hi, x[8w+4 ..], dp4a(lo, x[8w ..],
+  0))` (lo = word & 0x0F0F0F0F, hi = (word >> 4) & 0x0F0F0F0F) is the integer dot of 8 rows;
+* 'byte' (5-8-bit codes: q5_0, q5_1, q5k, q6k, q8_0, int8): byte c of word w is code[4w + c] (the
+  copy then takes 1 byte per weight), one dp4a per word.
 
-so `dp4a(hi, x[8w+4 .. 8w+8], dp4a(lo, x[8w .. 8w+4], 0))` (lo = word & 0x0F0F0F0F, hi = (word >> 4)
-& 0x0F0F0F0F) is the integer dot of 8 rows, and a 32-row sub-group (one scale of x, and at most one
-group of W) is 4 consecutive words. Each program loads a [bn, S, 4] word tile per step (S sub-groups
-of bn columns: bn runs of 16 S contiguous bytes — wide, coalesced loads along K, unlike the first
-version of this kernel, which read 32 bytes per column per load and was no faster than 'bdot' on the
-H200), sums the 4 words of each sub-group, and scales once per (sub-group, column):
+A sub-group is `sub / rows_per_word` consecutive words. Each program loads a [bn, S, words] tile per
+step (S sub-groups of bn columns: wide 16-byte loads along K), sums each sub-group's words, and scales
+once per (sub-group, column):
 
-    acc += s * dx * isum + (o - s * zp) * sum(x_hat over the 32 rows),
+    acc += s * dx * isum + (o - s * zp) * sum(x_hat over the sub-group),
 
 i.e. exactly x_hat @ W with x_hat = dx * int8(x) (the offsets meet x_hat's sums too, as llama.cpp's
-q8_1 does). DP4A is inline PTX (`dp4a.u32.s32`); the interpreter computes the same sum with jnp.
+q8_1 does). DP4A is inline PTX (`dp4a.u32.s32`: unsigned codes, signed x); the interpreter computes the
+same sum with jnp. x is rounded by XLA ops before the kernel (xq='xla') or by every program for the
+part it reads (xq='kernel', the engine's: no extra launches).
 
-Numerics: NOT the dequantized reference's function: x is rounded to int8 per 32 values (relative
-error of the output ~5e-3 in norm, like llama.cpp's quantized matmuls). Scope: one 4-bit integer
-plane (q4_0, q4_1, q4k, 4-bit GPTQ/AWQ), Kp a multiple of 32, groups a multiple of 32 rows, M <= 4.
+Numerics: NOT the dequantized reference's function: ~5e-3 relative error of the output (like
+llama.cpp's quantized matmuls); `reference` is the function it computes. Scope: integer codes of 4-8
+bits (the 4-bit ones in one plane), groups a multiple of the sub-group, M <= 4.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,47 +42,91 @@ from jax.experimental import pallas as pl
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors
 from jaxserve.quant.qweight import QMeta, QWeight, codes, leaf_names
 
-SUB = 32  # rows per int8 scale of x: 4 words of 8 codes
 MAX_M = 4
 NUM_SMS = 132
 
 
+def layout(meta: QMeta):
+    """(kind, rows per x scale `sub`, words per sub-group) of meta's code copy, or None if unsupported."""
+    if meta.code != "int" or not meta.group:
+        return None
+    if meta.bits == (4,):
+        kind, per_word = "nibble", 8
+    elif 5 <= sum(meta.bits) <= 8:  # 2-3-bit formats would read 2.5-3x their packed bytes
+        kind, per_word = "byte", 4
+    else:
+        return None
+    sub = 32 if meta.group % 32 == 0 else 16
+    if meta.group % sub or meta.Kp % sub or (kind == "nibble" and sub != 32):
+        return None
+    return kind, sub, sub // per_word
+
+
 def supports(meta: QMeta, M: int) -> bool:
-    return (meta.bits == (4,) and meta.code == "int" and meta.Kp % SUB == 0 and bool(meta.group)
-            and meta.group % SUB == 0 and M <= MAX_M)
+    return layout(meta) is not None and M <= MAX_M
 
 
 def repack(qw: QWeight):
-    """The K-major code copy [..., N, Kp / 32, 4] int32 of a one-plane 4-bit QWeight (layout above)."""
+    """The K-major code copy [..., N, Kp / sub, words] int32 of a QWeight (layouts above)."""
+    kind, sub, words = layout(qw.meta)
     c = codes(qw, dtype=jnp.uint8)  # [..., Kp, N]
     *lead, Kp, N = c.shape
-    c = c.reshape(*lead, Kp // 8, 2, 4, N)
-    b = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # [..., Kp / 8, 4, N]
-    b = jnp.moveaxis(b, -1, -3)  # [..., N, Kp / 8, 4 bytes]
-    return lax.bitcast_convert_type(b, jnp.int32).reshape(*lead, N, Kp // SUB, 4)
+    if kind == "nibble":
+        c = c.reshape(*lead, Kp // 8, 2, 4, N)
+        c = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # [..., Kp / 8, 4, N]
+    else:
+        c = c.reshape(*lead, Kp // 4, 4, N)
+    b = jnp.moveaxis(c, -1, -3)  # [..., N, words of K, 4 bytes]
+    return lax.bitcast_convert_type(b, jnp.int32).reshape(*lead, N, Kp // sub, words)
 
 
-def quantize_x(x2):
-    """x [M, Kp] -> (xlo, xhi: int8 codes of rows 8w..8w+3 / 8w+4..8w+7 as int32 words [M, Kp/32, 4];
-    dx [M, Kp / 32]; sums of the rounded x [M, Kp / 32]). The offsets meet the rounded x too, so the
-    kernel computes x_hat @ W exactly (with the true sums the error was ~3x larger for q4_0)."""
+def _round_x(x2, sub: int):
+    """(int8 codes [M, Kp / sub, sub], dx [M, Kp / sub]) of x [M, Kp] rounded per sub rows."""
     M, Kp = x2.shape
-    xg = x2.astype(jnp.float32).reshape(M, Kp // SUB, SUB)
+    xg = x2.astype(jnp.float32).reshape(M, Kp // sub, sub)
     amax = jnp.max(jnp.abs(xg), axis=-1)
     dx = jnp.where(amax > 0, amax / 127.0, 1.0)
-    q = jnp.clip(jnp.round(xg / dx[..., None]), -127, 127).astype(jnp.int8)
-    q8 = q.reshape(M, Kp // SUB, 4, 2, 4)  # [.., word, half, byte]
-    lo, hi = (lax.bitcast_convert_type(q8[:, :, :, h, :], jnp.int32) for h in (0, 1))
-    return lo, hi, dx, jnp.sum(q.astype(jnp.float32), axis=-1) * dx
+    return jnp.clip(jnp.round(xg / dx[..., None]), -127, 127), dx
 
 
-def x_hat(x2):
-    """The function's x: dx * int8(x) [M, Kp] f32 (the oracle of tests and benchmarks)."""
+def x_views(x2, meta: QMeta):
+    """x [M, Kp] as the tiles the kernel reads: nibble [M, Kp/32, 4 words, 2 halves, 4] (rows 8w + 4h + b),
+    byte [M, Kp/sub, words, 4] (rows 4w + b)."""
+    kind, sub, words = layout(meta)
     M, Kp = x2.shape
-    xg = x2.astype(jnp.float32).reshape(M, Kp // SUB, SUB)
-    amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
-    dx = jnp.where(amax > 0, amax / 127.0, 1.0)
-    return (jnp.clip(jnp.round(xg / dx), -127, 127) * dx).reshape(M, Kp)
+    return x2.reshape(M, Kp // sub, words, 2, 4) if kind == "nibble" else x2.reshape(M, Kp // sub, words, 4)
+
+
+def quantize_x(x2, meta: QMeta):
+    """x [M, Kp] -> (int8 x as int32 word tensors [M, Kp/sub, words]: (lo, hi) for 'nibble', (all,) for
+    'byte'; dx [M, Kp/sub]; sums of the rounded x [M, Kp/sub]). The offsets meet the rounded x too, so
+    the kernel computes x_hat @ W exactly (with the true sums the error was ~3x larger for q4_0)."""
+    kind, sub, _ = layout(meta)
+    q, dx = _round_x(x2, sub)
+    v = x_views(q.reshape(x2.shape).astype(jnp.int8), meta)
+    tiles = (v[..., 0, :], v[..., 1, :]) if kind == "nibble" else (v,)
+    words = tuple(lax.bitcast_convert_type(t, jnp.int32) for t in tiles)
+    return words, dx, jnp.sum(q, axis=-1) * dx
+
+
+def x_hat(x2, sub: int = 32):
+    """The function's x: dx * int8(x) [M, Kp] f32, rounded per `sub` rows (the oracle of tests)."""
+    q, dx = _round_x(x2, sub)
+    return (q * dx[..., None]).reshape(x2.shape)
+
+
+def reference(x, qw: QWeight, **kw):
+    """This kernel's function in plain jnp (its oracle, and the model-quality tests' path): x_hat @ W
+    for the weights the kernel takes, the exact reference matmul for the others."""
+    from jaxserve.kernels.quant_matmul import reference as ref
+
+    lay = layout(qw.meta)
+    if lay is None:
+        return ref.qmatmul(x, qw, **kw)
+    x2 = x.reshape(-1, x.shape[-1])
+    xp = jnp.pad(x2, ((0, 0), (0, qw.meta.Kp - x2.shape[1])))
+    y = ref.qmatmul(x_hat(xp, lay[1])[:, :x2.shape[1]], qw, **kw)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], qw.meta.N)
 
 
 def _dp4a(a, b, c, interpret: bool):
@@ -101,27 +149,33 @@ def _dp4a(a, b, c, interpret: bool):
 _RNE = 12582912.0  # 1.5 * 2**23: f32 v + _RNE holds round-half-even(v) in its low mantissa bits (|v| < 2**22)
 
 
-def _quantize_tile(xl, xh):
-    """In-kernel x quantization of S sub-groups: xl, xh [S, 4, 4] (rows 8w + b, 8w + 4 + b of each
-    sub-group's word w) -> (int8 words lo, hi [S, 4] int32, dx [S], sum of the rounded x [S]). Rounds
-    half to even like quantize_x's jnp.round (Pallas-Triton has no round: the 1.5 * 2**23 trick)."""
+def _quantize_tile(tiles):
+    """In-kernel x quantization of S sub-groups: tiles [S, words, 4] each (x_views' halves for
+    'nibble', the whole view for 'byte') -> (int8 words [S, words] int32 per tile, dx [S], sum of the
+    rounded x [S]). Rounds half to even like jnp.round (Pallas-Triton has no round: the 1.5 * 2**23
+    trick)."""
     f32 = jnp.float32
-    xl, xh = xl.astype(f32), xh.astype(f32)
-    amax = jnp.maximum(jnp.max(jnp.max(jnp.abs(xl), axis=2), axis=1), jnp.max(jnp.max(jnp.abs(xh), axis=2), axis=1))
+    tiles = [t.astype(f32) for t in tiles]
+    amax = None
+    for t in tiles:
+        a = jnp.max(jnp.max(jnp.abs(t), axis=2), axis=1)
+        amax = a if amax is None else jnp.maximum(amax, a)
     dx = jnp.where(amax > 0, amax / 127.0, jnp.ones_like(amax))
     shifts = (8 * jnp.arange(4, dtype=jnp.int32))[None, None, :]
     words, tot = [], None
-    for v in (xl, xh):
+    for v in tiles:
         n = lax.bitcast_convert_type(v / dx[:, None, None] + _RNE, jnp.int32) - 0x4B400000  # round(v / dx)
         words.append(jnp.sum((n & 0xFF) << shifts, axis=2))  # bytes don't overlap: sum = or
         t = jnp.sum(jnp.sum(n, axis=2), axis=1)
         tot = t if tot is None else tot + t
-    return words[0], words[1], dx, tot.astype(f32) * dx
+    return words, dx, tot.astype(f32) * dx
 
 
 def _kernel(layer_ref, *refs, names, meta, M, bn, S, per, nsteps, zp, xq, interpret):
+    kind, sub, _ = layout(meta)
+    nw = 2 if kind == "nibble" else 1  # x word tensors
     o_ref = refs[-1]
-    nx = 1 if xq == "kernel" else 4
+    nx = 1 if xq == "kernel" else nw + 2
     xrefs, qw_ref = refs[:nx], refs[nx]
     refs = dict(zip(names, refs[nx + 1:-1]))
     jn, ks = pl.program_id(0), pl.program_id(1)
@@ -131,28 +185,34 @@ def _kernel(layer_ref, *refs, names, meta, M, bn, S, per, nsteps, zp, xq, interp
     cols = (n0 + jnp.arange(bn))[:, None]
 
     def x_step(m, i):
-        """(lo, hi words [1, S, 4], dx [1, S], sum of x_hat [1, S]) of row m of x at step i."""
+        """(x words [1, S, words] per word tensor, dx [1, S], sum of x_hat [1, S]) of row m at step i."""
         ss = pl.ds(i * S, S)
         if xq == "kernel":
-            xl, xh, dx, sx = _quantize_tile(xrefs[0][m, ss, :, 0, :], xrefs[0][m, ss, :, 1, :])
+            v = xrefs[0]
+            tiles = [v[m, ss, :, 0, :], v[m, ss, :, 1, :]] if kind == "nibble" else [v[m, ss, :, :]]
+            words, dx, sx = _quantize_tile(tiles)
         else:
-            xl, xh, dx, sx = (xrefs[0][m, ss, :], xrefs[1][m, ss, :], xrefs[2][m, ss], xrefs[3][m, ss])
-        return xl[None], xh[None], dx[None, :], sx[None, :]
+            words, dx, sx = [r[m, ss, :] for r in xrefs[:nw]], xrefs[nw][m, ss], xrefs[nw + 1][m, ss]
+        return [w[None] for w in words], dx[None, :], sx[None, :]
 
     def body(i, acc):
-        sub = i * S + jnp.arange(S)  # this step's sub-groups of 32 rows
-        wt = qw_ref[layer, pl.ds(n0, bn), pl.ds(i * S, S), :]  # [bn, S, 4] int32
-        lo = wt & 0x0F0F0F0F
-        hi = (wt >> 4) & 0x0F0F0F0F  # (the arithmetic shift's sign bits are masked off)
-        sg = (0, ((sub * SUB) // meta.super_group)[None, :]) if meta.super_group else None
-        s, o = _factors(refs, layer, meta, ((sub * SUB) // meta.group)[None, :], sg, cols, {})  # [bn, S]
+        g = i * S + jnp.arange(S)  # this step's sub-groups of `sub` rows
+        wt = qw_ref[layer, pl.ds(n0, bn), pl.ds(i * S, S), :]  # [bn, S, words] int32
+        if kind == "nibble":
+            planes = (wt & 0x0F0F0F0F, (wt >> 4) & 0x0F0F0F0F)  # (the shift's sign bits are masked off)
+        else:
+            planes = (wt,)
+        sg = (0, ((g * sub) // meta.super_group)[None, :]) if meta.super_group else None
+        s, o = _factors(refs, layer, meta, ((g * sub) // meta.group)[None, :], sg, cols, {})  # [bn, S]
         if zp:
             o = -(s * f32(zp)) if o is None else o - s * f32(zp)
         acc = list(acc)
         for m in range(M):
-            xl, xh, dx, sx = x_step(m, i)
-            isum = jnp.sum(_dp4a(hi, xh, _dp4a(lo, xl, jnp.zeros_like(wt), interpret), interpret), axis=2)
-            t = isum.astype(f32) * (s * dx)
+            xw, dx, sx = x_step(m, i)
+            isum = jnp.zeros_like(wt)
+            for p, w in zip(planes, xw):
+                isum = _dp4a(p, w, isum, interpret)
+            t = jnp.sum(isum, axis=2).astype(f32) * (s * dx)
             if o is not None:
                 t = t + o * sx
             acc[m] = acc[m] + jnp.sum(t, axis=1)
@@ -165,11 +225,11 @@ def _kernel(layer_ref, *refs, names, meta, M, bn, S, per, nsteps, zp, xq, interp
         o_ref[ks, m, pl.ds(n0, bn)] = acc[m].astype(o_ref.dtype)
 
 
-def step_subgroups(Kp: int, block_k: int) -> int:
-    """Sub-groups per loop step: the largest power of two <= block_k / 32 dividing Kp / 32 (Triton
-    tiles are powers of two)."""
-    n, S = Kp // SUB, 1
-    while S * 2 <= max(1, block_k // SUB) and n % (S * 2) == 0:
+def step_subgroups(n: int, block_k: int, sub: int) -> int:
+    """Sub-groups per loop step: the largest power of two <= block_k / sub dividing the n sub-groups
+    of K (Triton tiles are powers of two)."""
+    S = 1
+    while S * 2 <= max(1, block_k // sub) and n % (S * 2) == 0:
         S *= 2
     return S
 
@@ -178,8 +238,9 @@ def plan(meta: QMeta, block_n: int, block_k: int, splits):
     """(column tiles, sub-groups per step S, K splits, steps per split, total steps)."""
     if meta.N % block_n:
         raise ValueError(f"dp4a: N={meta.N} is not a multiple of block_n={block_n}")
-    S = step_subgroups(meta.Kp, block_k)
-    nsteps, tiles = meta.Kp // SUB // S, meta.N // block_n
+    sub = layout(meta)[1]
+    S = step_subgroups(meta.Kp // sub, block_k, sub)
+    nsteps, tiles = meta.Kp // sub // S, meta.N // block_n
     if splits is None:  # ~8 programs per SM
         splits = max(1, min(nsteps, -(-8 * NUM_SMS // tiles)))
     per = -(-nsteps // splits)
@@ -206,7 +267,11 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
         leaves, qk, layer = [a[None] for a in leaves], qk[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     xp = jnp.pad(x2, ((0, 0), (0, meta.Kp - x2.shape[1])))
-    xs = (xp.reshape(M, meta.Kp // SUB, 4, 2, 4),) if xq == "kernel" else quantize_x(xp)
+    if xq == "kernel":
+        xs = (x_views(xp, meta),)
+    else:
+        words, dx, sx = quantize_x(xp, meta)
+        xs = (*words, dx, sx)
     bn = int(block_n)
     tiles, S, splits, per, nsteps = plan(meta, bn, int(block_k), splits)
     zp = 0 if meta.offset == "zero" else meta.zp
@@ -226,3 +291,40 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
                          compiler_params=cp, name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}_{xq}")(*args)
     out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
     return out.reshape(*x.shape[:-1], meta.N)
+
+
+# ------------------------------------------------------------------ the engine's int8_activations path
+ENGINE_MAX_M = 2  # rows of x that take this kernel: at M = 4 it measured slower than 'bdot' (RESULTS.md)
+
+
+def attach_copies(weights, supported, make):
+    """Every QWeight w of a weights tree with supported(w.meta, 1) gains the extra leaf 'qk' = make(w)
+    (QWeight flattens every array it holds, so the copy travels through jit; the other kernels read
+    only their own leaves)."""
+    def one(w):
+        if isinstance(w, QWeight) and supported(w.meta, 1) and "qk" not in w.arrays:
+            return QWeight(w.meta, dict(w.arrays, qk=make(w)))
+        return w
+    return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
+
+
+def attach(weights):
+    """The weights with this kernel's K-major code copy on every QWeight it takes (4-bit one-plane
+    formats: +0.5 byte per weight; 5-8-bit formats: +1 byte per weight); prompt steps keep reading the
+    original layout."""
+    return attach_copies(weights, supports, jax.jit(repack))
+
+
+def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, **kw):
+    """The runner's quantized matmul with int8_activations: up to max_m rows of x on a weight carrying
+    the copy (`attach`) take this kernel (x rounded in the kernel unless kw says otherwise); everything
+    else the platform's default quantized matmul."""
+    from jaxserve.kernels import quant_matmul
+
+    M = math.prod(x.shape[:-1])
+    kw = dict(kw)
+    kw.setdefault("xq", "kernel")
+    bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
+    if "qk" in qw.arrays and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
+        return qmatmul(x, qw, qw.arrays["qk"], **kw)
+    return quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))(x, qw)

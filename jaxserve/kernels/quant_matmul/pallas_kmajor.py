@@ -168,31 +168,21 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=64, splits=None, num_warp
 
 
 # ------------------------------------------------------------------- benchmark wiring (experiment)
-def attach(weights, layout: str = "kmajor"):
-    """Every one-plane 4-bit QWeight of a weights tree gains a K-major code copy as the extra leaf
-    'qk' (QWeight flattens every array it holds, so the copy travels through jit; the other kernels
-    read only their own leaves): `repack`'s for layout 'kmajor', pallas_dp4a.repack's for 'dp4a'.
-    For benchmarks: it adds the codes' bytes once more."""
-    from jaxserve.kernels.quant_matmul import pallas_dp4a
+def attach(weights):
+    """Every one-plane 4-bit QWeight of a weights tree gains `repack`'s K-contiguous copy as the extra
+    leaf 'qk' (for benchmarks: it adds the codes' bytes once more)."""
+    from jaxserve.kernels.quant_matmul.pallas_dp4a import attach_copies
 
-    ok, rep = {"kmajor": (supports, repack), "dp4a": (pallas_dp4a.supports, pallas_dp4a.repack)}[layout]
-
-    def one(w):
-        if isinstance(w, QWeight) and ok(w.meta, 1) and "qk" not in w.arrays:
-            return QWeight(w.meta, dict(w.arrays, qk=rep(w)))
-        return w
-    return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
+    return attach_copies(weights, supports, repack)
 
 
-def qmatmul_with_copy(x, qw: QWeight, *, decode_mode: str = "dp4a", decode_max_m: int = 4, **kw):
-    """A runner `qmatmul`: M <= decode_max_m rows of x on a weight carrying 'qk' (see `attach`, with the
-    same layout) go to the K-major kernel `decode_mode` ('kmajor' or 'dp4a'); the rest to pallas_triton."""
-    from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_triton
+def qmatmul_with_copy(x, qw: QWeight, *, decode_max_m: int = 2, **kw):
+    """A runner `qmatmul` for benchmarks: M <= decode_max_m rows of x on a weight carrying 'qk' (see
+    `attach`) go to this kernel; everything else to pallas_triton."""
+    from jaxserve.kernels.quant_matmul import pallas_triton
 
     M = math.prod(x.shape[:-1])
-    kernel = {"kmajor": qmatmul, "dp4a": pallas_dp4a.qmatmul}[decode_mode]
-    ok = {"kmajor": supports, "dp4a": pallas_dp4a.supports}[decode_mode]
-    bn = kw.get("block_n", kernel.__kwdefaults__["block_n"])
-    if "qk" in qw.arrays and M <= decode_max_m and ok(qw.meta, M) and qw.meta.N % bn == 0:
-        return kernel(x, qw, qw.arrays["qk"], **kw)
+    bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
+    if "qk" in qw.arrays and M <= decode_max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
+        return qmatmul(x, qw, qw.arrays["qk"], **kw)
     return pallas_triton.qmatmul(x, qw)  # (it reads only the QWeight's own leaves)
