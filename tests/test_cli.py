@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from model_files import smollm2_gguf
 
 # Same engine shape as the other SmolLM2 tests, so the persistent compilation cache is shared.
@@ -57,3 +59,9 @@ def test_engine_flags_map_to_the_engine_config():
     assert parse("--async-scheduling", "off").async_scheduling is False
     assert parse("--program-store", "off").program_store is False
     assert parse().program_store is None  # auto: on with one device (runner)
+    assert parse().int8_activations is False
+    assert parse("--int8-activations").int8_activations is True
+    from jaxserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="int8_activations needs packed weights"):
+        parse("--int8-activations", "--packed", "off")
