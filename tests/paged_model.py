@@ -12,7 +12,7 @@ BS = 4  # small blocks so sequences span many of them
 class PagedModel:
     """Drives the pure model functions with a paged cache, the way the runner does (no sampling)."""
 
-    def __init__(self, cfg, weights, num_blocks=64, max_blocks=32, qmm=None):
+    def __init__(self, cfg, weights, num_blocks=64, max_blocks=32, qmm=None, **kernels):
         self.cfg, self.weights = cfg, weights
         self.consts = {k: jnp.asarray(v) for k, v in tf.layer_constants(cfg).items()}
         shape = (cfg.num_layers, num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
@@ -22,7 +22,7 @@ class PagedModel:
         self.max_blocks = max_blocks
 
         def run(weights, consts, kv, batch, scan):
-            h, kv = tf.forward_hidden(cfg, weights, consts, kv, batch, scan_layers=scan, qmm=qmm)
+            h, kv = tf.forward_hidden(cfg, weights, consts, kv, batch, scan_layers=scan, qmm=qmm, **kernels)
             return jax.nn.log_softmax(tf.logits_from_hidden(cfg, weights, h, qmm=qmm), axis=-1), kv
 
         self._run = jax.jit(run, static_argnums=(4,))

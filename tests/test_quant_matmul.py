@@ -284,6 +284,10 @@ def test_dp4a_kernel(fmt, M, block_k, xq):
     _check(y, _oracle(np.asarray(dp.x_hat(x, sub), np.float64), qw, 1))
     _check(y, np.asarray(dp.reference(x, qw[1]), np.float64), rtol=1e-5)
     _check(y, _oracle(x, qw, 1), rtol=2e-2)
+    if splits > 1:  # split_out: the f32 partials, for a consumer kernel to add
+        ys = dp.qmatmul(x, qw, qk, layer=1, block_n=32, block_k=block_k, xq=xq, split_out=True, interpret=True)
+        assert ys.parts.shape == (splits, M, 64) and ys.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(ys.total()), y, rtol=1e-6, atol=1e-6)
 
 
 def test_dp4a_scope():

@@ -33,8 +33,9 @@ def _load(which, packed=False, isq=None):
     return cfg, weights, Tokenizer.from_gguf(r)
 
 
-def _logprobs(cfg, weights, ids, scan, qmm=None):
-    return PagedModel(cfg, weights, num_blocks=48, max_blocks=24, qmm=qmm).step([(0, ids, 0)], scan=scan)[0]
+def _logprobs(cfg, weights, ids, scan, qmm=None, **kernels):
+    return PagedModel(cfg, weights, num_blocks=48, max_blocks=24, qmm=qmm, **kernels).step([(0, ids, 0)],
+                                                                                          scan=scan)[0]
 
 
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
@@ -217,3 +218,36 @@ def test_int8_activations_engine(tmp_path):
     assert np.abs(runs["int8"][2] - runs["int8 ref"][2]).max() <= 1e-4
     assert np.abs(runs["int8"][1] - runs["exact"][1]).max() <= 1e-5
     assert np.abs(runs["int8"][2] - runs["exact"][2]).max() > 1e-5
+
+
+def test_split_sums_reach_their_consumers():
+    """A quantized matmul that `takes_split_out` may hand the q/k/v, o and down outputs to their
+    consumers (RoPE + K/V write, add + RMSNorm, the next layer's add + RMSNorm) as split-K partials
+    (kernels/split_sum.SplitSum); the model then computes the same function. Real SmolLM2 Q4_1, packed;
+    the partials are the exact output split in three unequal f32 parts."""
+    from jaxserve.kernels.quant_matmul import reference
+    from jaxserve.kernels.rope_kv.reference import rope_write_kv
+    from jaxserve.kernels.split_sum import SplitSum
+
+    asked = []
+
+    def split_ref(x, w, split_out=False, **kw):
+        y = reference.qmatmul(x, w, **kw)
+        if not split_out:
+            return y
+        asked.append(w.meta.N)
+        y32 = y.astype(jnp.float32)
+        return SplitSum(jnp.stack([0.5 * y32, 0.25 * y32, 0.25 * y32]), y.dtype)
+
+    split_ref.takes_split_out = True
+    from jaxserve.models.transformer import fuse_projections
+
+    cfg, packed, tok = _load("smollm2", packed=True)
+    packed = fuse_projections(packed)  # q/k/v as one matmul, as the runner has them
+    ids = tok.encode(TEXT)[:48]
+    want = _logprobs(cfg, packed, ids, scan=False, rope_kv=rope_write_kv)
+    got = _logprobs(cfg, packed, ids, scan=False, qmm=split_ref, rope_kv=rope_write_kv)
+    D, hd = cfg.hidden_size, cfg.head_dim
+    assert sorted(set(asked)) == sorted({D, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd})  # qkv, o and down
+    assert np.abs(got - want).max() <= 1e-4
+    assert (got.argmax(-1) == want.argmax(-1)).all()

@@ -31,3 +31,25 @@ def test_add_rms_norm_matches_oracle(impl, T, D, with_r, dtype):
     assert np.array_equal(np.asarray(s, np.float64), s_ref)  # the residual stream is exact
     tol = 1e-5 if dtype == "float32" else 1e-2
     np.testing.assert_allclose(np.asarray(h, np.float64), h_ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("P,T,D", [(3, 1, 4096), (2, 5, 576), (7, 2, 64)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_add_rms_norm_takes_split_sums(impl, P, T, D, dtype):
+    """r given as a SplitSum (a split-K matmul's f32 partials, kernels/split_sum.py): the kernel adds
+    the parts itself and computes the same function as with r = their total (rounded to the dtype)."""
+    from jaxserve.kernels.split_sum import SplitSum
+
+    rng = np.random.default_rng(P * T * D)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.standard_normal((T, D)) * 3, dt)
+    parts = jnp.asarray(rng.standard_normal((P, T, D)), jnp.float32)
+    w = jnp.asarray(1 + 0.3 * rng.standard_normal(D), dt)
+    fn = jax.jit(lambda x, r, w: rms_norm.get(impl)(x, r, w, 1e-6))
+    s, h = fn(x, SplitSum(parts, dt), w)
+    s_want, h_want = fn(x, SplitSum(parts, dt).total(), w)
+    assert s.dtype == dt and h.shape == (T, D)
+    tol = 1e-6 if dtype == "float32" else 2e-2  # (XLA may keep bf16 intermediates in f32: 1 ulp)
+    np.testing.assert_allclose(np.asarray(s, np.float32), np.asarray(s_want, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_want, np.float32), rtol=tol, atol=tol)

@@ -37,6 +37,31 @@ def test_rope_write_kv_matches_oracle(impl, H, KV, hd, dtype):
     assert changed.sum() <= T and not changed[[0, 2]].any()
 
 
+@pytest.mark.parametrize("impl", rope_kv.IMPLEMENTATIONS)
+@pytest.mark.parametrize("P", [2, 3])
+def test_rope_write_kv_takes_split_sums(impl, P):
+    """qkv given as a SplitSum (f32 partials of a split-K matmul): the kernel adds the parts itself;
+    the result equals the reference on their total (rounded to bf16, as the matmul's output)."""
+    from jaxserve.kernels.split_sum import SplitSum
+
+    rng = np.random.default_rng(P)
+    H, KV, hd, T, L, NB, BS = 4, 2, 16, 3, 2, 5, 4
+    parts = jnp.asarray(rng.standard_normal((P, T, (H + 2 * KV) * hd)), jnp.float32)
+    qkv = SplitSum(parts, jnp.bfloat16)
+    positions = jnp.asarray([0, 9, 300], jnp.int32)
+    slots = jnp.asarray([3, 17, 8], jnp.int32)
+    inv_freq = jnp.asarray(1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd)), jnp.float32)
+    k_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, hd)), jnp.bfloat16)
+    v_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, hd)), jnp.bfloat16)
+    kw = dict(num_heads=H, num_kv_heads=KV, head_dim=hd)
+    want = reference.rope_write_kv(qkv.total(), positions, inv_freq, 1.0, k_cache, v_cache, 1, slots, **kw)
+    got = jax.jit(lambda q, *a: rope_kv.get(impl)(q, *a, **kw))(qkv, positions, inv_freq, jnp.float32(1.0),
+                                                              k_cache, v_cache, jnp.int32(1), slots)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_model_with_fused_rope_kv_is_the_same_function():
     """The decoder with the Pallas kernel (interpreted) = the decoder's own jnp path."""
     import functools

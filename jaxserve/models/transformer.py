@@ -29,10 +29,11 @@ from jaxserve.models.rope import rope_tables
 from jaxserve.quant.qweight import QWeight
 
 
-def linear(x, w, qmm: Callable | None = None):
+def linear(x, w, qmm: Callable | None = None, split_out: bool = False):
     """x [T, K] @ w [K, N]; w a dense array, a packed QWeight (qmm, or the quantized matmul kernel
     of this platform: Pallas on GPU, dequantize + dot elsewhere) or a CpuQWeight (the native CPU
-    kernel, kernels/quant_matmul/cpu_native)."""
+    kernel, kernels/quant_matmul/cpu_native). split_out: the caller's consumer takes a SplitSum
+    (kernels/split_sum.py), so a qmm that `takes_split_out` may return its split-K partials."""
     if isinstance(w, CpuQWeight):
         return cpu_native.qmatmul(x, w)
     if isinstance(w, cpu_native.LayerOf):  # one layer of a stacked CpuQWeight, read in place
@@ -42,6 +43,8 @@ def linear(x, w, qmm: Callable | None = None):
             from jaxserve.kernels import quant_matmul
 
             qmm = quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
+        if split_out and getattr(qmm, "takes_split_out", False):
+            return qmm(x, w, split_out=True)
         return qmm(x, w)
     return x @ w
 
@@ -62,14 +65,16 @@ def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, resid=None,
                   add_norm: Callable | None = None, rope_kv: Callable | None = None,
-                  qmm: Callable | None = None):
+                  qmm: Callable | None = None, split_sums: bool = False):
     """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache).
 
     The block's input is x + resid (resid: the previous block's MLP output, or None) and its output
     (x', m, kv) means x' + m: each residual add is left to the next norm, so `add_norm` (a fused
     add + RMSNorm kernel on GPU, kernels/rms_norm) does add and norm in one pass. rope_kv: a fused
     RoPE + cache-write kernel (kernels/rope_kv) for fused q/k/v without q/k norms. qmm: the quantized
-    matmul for packed weights (default: the platform's)."""
+    matmul for packed weights (default: the platform's). split_sums: the q/k/v, o and down matmuls
+    may return split-K partials (a SplitSum) to the kernels that consume them (rope_kv, add_norm), one
+    reduction kernel less each; resid may then be one (not in a scan: its carry is a plain array)."""
     add_norm = add_norm or _add_rms_norm_ref
     eps = cfg.rms_norm_eps
     T = x.shape[0]
@@ -77,10 +82,11 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     x, h = add_norm(x, resid, w["attn_norm"], eps)
     fused_kv = False
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
-        qkv = linear(h, w["qkv"], qmm)
+        to_rope_kv = rope_kv is not None and not cfg.qk_norm
+        qkv = linear(h, w["qkv"], qmm, split_out=split_sums and to_rope_kv and not cfg.attention_bias)
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
-        if rope_kv is not None and not cfg.qk_norm:
+        if to_rope_kv:
             # One kernel: split, RoPE on q and k, k/v into the cache (kernels/rope_kv).
             q, k_cache, v_cache = rope_kv(qkv, batch["positions"], c["inv_freq"], c["attn_factor"],
                                           kv[0], kv[1], c["index"], batch["slots"], num_heads=H,
@@ -112,7 +118,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         o = jnp.concatenate([
             attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
             tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
-    o = linear(o.reshape(T, H * hd), w["o"], qmm)
+    o = linear(o.reshape(T, H * hd), w["o"], qmm, split_out=split_sums and not cfg.sandwich_norms)
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x, h = add_norm(x, o, w["ffn_norm"], eps)
@@ -120,7 +126,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         g, u = jnp.split(linear(h, w["gate_up"], qmm), 2, axis=-1)
     else:
         g, u = linear(h, w["gate"], qmm), linear(h, w["up"], qmm)
-    m = linear(_act(cfg, g) * u, w["down"], qmm)
+    m = linear(_act(cfg, g) * u, w["down"], qmm, split_out=split_sums and not cfg.sandwich_norms)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
     return x, m, (k_cache, v_cache)
@@ -234,7 +240,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         @jax.jit
         def block(x, resid, w, c, kv, arrays):
             return decoder_layer(cfg, x, w, c, kv, {**arrays, **static}, attention, resid, add_norm, rope_kv,
-                                 qmm)
+                                 qmm, split_sums=True)
 
         # The layer constants are compile-time literals here (numpy from the static config), not
         # slices of the traced `consts`: on the GPU each slice was a kernel (4 per layer, ~1 us each)

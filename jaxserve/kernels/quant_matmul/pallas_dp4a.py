@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors
+from jaxserve.kernels.split_sum import SplitSum
 from jaxserve.quant.qweight import QMeta, QWeight, codes, leaf_names
 
 MAX_M = 4
@@ -248,10 +249,11 @@ def plan(meta: QMeta, block_n: int, block_k: int, splits):
 
 
 def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=None, num_warps=4, num_stages=3,
-            xq="xla", interpret=None):
+            xq="xla", split_out=False, interpret=None):
     """x [..., K] @ W [K, N] with int8-quantized x and W's codes from qk (`repack`); factors from qw.
     xq: where x is rounded to int8: 'xla' (quantize_x, its own XLA ops before the kernel) or
-    'kernel' (every program rounds the part of x it reads: no extra launches)."""
+    'kernel' (every program rounds the part of x it reads: no extra launches). split_out: with more
+    than one K split, return the partial sums as a SplitSum for a consumer kernel to add."""
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
@@ -289,8 +291,11 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
     out = pl.pallas_call(kernel, grid=(tiles, splits), in_specs=[full] * len(args), out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
                          compiler_params=cp, name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}_{xq}")(*args)
-    out = out[0] if splits == 1 else jnp.sum(out, axis=0).astype(x.dtype)
-    return out.reshape(*x.shape[:-1], meta.N)
+    if splits == 1:
+        return out[0].reshape(*x.shape[:-1], meta.N)
+    if split_out:
+        return SplitSum(out.reshape(splits, *x.shape[:-1], meta.N), x.dtype)
+    return jnp.sum(out, axis=0).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
 
 
 # ------------------------------------------------------------------ the engine's int8_activations path
@@ -315,10 +320,11 @@ def attach(weights):
     return attach_copies(weights, supports, jax.jit(repack))
 
 
-def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, **kw):
+def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool = False, **kw):
     """The runner's quantized matmul with int8_activations: up to max_m rows of x on a weight carrying
-    the copy (`attach`) take this kernel (x rounded in the kernel unless kw says otherwise); everything
-    else the platform's default quantized matmul."""
+    the copy (`attach`) take this kernel (x rounded in the kernel unless kw says otherwise; split_out:
+    its split-K partials may come back as a SplitSum); everything else the platform's default
+    quantized matmul."""
     from jaxserve.kernels import quant_matmul
 
     M = math.prod(x.shape[:-1])
@@ -326,5 +332,8 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, **kw):
     kw.setdefault("xq", "kernel")
     bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
     if "qk" in qw.arrays and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
-        return qmatmul(x, qw, qw.arrays["qk"], **kw)
+        return qmatmul(x, qw, qw.arrays["qk"], split_out=split_out, **kw)
     return quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))(x, qw)
+
+
+engine_qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.kernels.split_sum import total
+
 
 def rms_norm(x, w, eps):
     x32 = x.astype(jnp.float32)
@@ -13,6 +15,7 @@ def rms_norm(x, w, eps):
 
 
 def add_rms_norm(x, r, w, eps):
-    """x, r [T, D] (r may be None); w [D]. Returns (s, rms_norm(s) * w) with s = x + r in x's dtype."""
-    s = x if r is None else (x + r).astype(x.dtype)
+    """x, r [T, D] (r may be None or a SplitSum); w [D]. Returns (s, rms_norm(s) * w) with s = x + r in
+    x's dtype."""
+    s = x if r is None else (x + total(r)).astype(x.dtype)
     return s, rms_norm(s, w, eps)

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _on_cpu
+from jaxserve.kernels.split_sum import SplitSum
 
 
 def _kernel(layer_ref, pos_ref, slot_ref, inv_ref, fac_ref, qkv_ref, k_in, v_in,
-            q_ref, k_ref, v_ref, *, H, KV, hd, BS):
+            q_ref, k_ref, v_ref, *, H, KV, hd, BS, parts_dtype):
     del k_in, v_in  # aliased to k_ref / v_ref
     t, j = pl.program_id(0), pl.program_id(1)
     half = hd // 2
@@ -26,9 +27,19 @@ def _kernel(layer_ref, pos_ref, slot_ref, inv_ref, fac_ref, qkv_ref, k_in, v_in,
     fac = fac_ref[0]
     cos, sin = jnp.cos(freqs) * fac, jnp.sin(freqs) * fac
 
+    def load(col, n):
+        if parts_dtype is None:
+            return qkv_ref[t, pl.ds(col, n)]
+        # a SplitSum's parts [P, T, N]: add them (one at a time: P need not be a power of two),
+        # rounded as the matmul would have
+        v = qkv_ref[0, t, pl.ds(col, n)]
+        for p in range(1, qkv_ref.shape[0]):
+            v = v + qkv_ref[p, t, pl.ds(col, n)]
+        return v.astype(parts_dtype)
+
     def rot(col):
-        x1 = qkv_ref[t, pl.ds(col, half)].astype(jnp.float32)
-        x2 = qkv_ref[t, pl.ds(col + half, half)].astype(jnp.float32)
+        x1 = load(col, half).astype(jnp.float32)
+        x2 = load(col + half, half).astype(jnp.float32)
         return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
     @pl.when(j < H)
@@ -46,17 +57,21 @@ def _kernel(layer_ref, pos_ref, slot_ref, inv_ref, fac_ref, qkv_ref, k_in, v_in,
         blk, off = slot // BS, slot % BS
         k_ref[layer, blk, off, h, pl.ds(0, half)] = a.astype(k_ref.dtype)
         k_ref[layer, blk, off, h, pl.ds(half, half)] = b.astype(k_ref.dtype)
-        v = qkv_ref[t, pl.ds((H + KV + h) * hd, hd)]
+        v = load((H + KV + h) * hd, hd)
         v_ref[layer, blk, off, h, pl.ds(0, hd)] = v.astype(v_ref.dtype)
 
 
 def rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots, *,
                   num_heads, num_kv_heads, head_dim, num_warps: int | None = None,
                   interpret: bool | None = None):
-    """Same contract as reference.rope_write_kv."""
+    """Same contract as reference.rope_write_kv (qkv [T, N] or a SplitSum of it)."""
     if interpret is None:
         interpret = _on_cpu()
-    T = qkv.shape[0]
+    parts_dtype = None
+    if isinstance(qkv, SplitSum):
+        parts_dtype, qkv = qkv.dtype, qkv.parts
+    T = qkv.shape[-2]
+    out_dtype = parts_dtype or qkv.dtype
     H, KV, hd = num_heads, num_kv_heads, head_dim
     BS = k_cache.shape[2]
     args = (jnp.asarray(layer, jnp.int32).reshape(1), positions.astype(jnp.int32), slots.astype(jnp.int32),
@@ -64,11 +79,11 @@ def rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer
             k_cache, v_cache)
     full = pl.BlockSpec()
     q, k_cache, v_cache = pl.pallas_call(
-        functools.partial(_kernel, H=H, KV=KV, hd=hd, BS=BS),
+        functools.partial(_kernel, H=H, KV=KV, hd=hd, BS=BS, parts_dtype=parts_dtype),
         grid=(T, H + KV),
         in_specs=[full] * len(args),
         out_specs=[full, full, full],
-        out_shape=[jax.ShapeDtypeStruct((T, H, hd), qkv.dtype),
+        out_shape=[jax.ShapeDtypeStruct((T, H, hd), out_dtype),
                    jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
         input_output_aliases={6: 1, 7: 2},

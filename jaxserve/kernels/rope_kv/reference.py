@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxserve.kernels.paged_attention.reference import write_kv
+from jaxserve.kernels.split_sum import total
 
 
 def apply_rope(x, positions, inv_freq, attn_factor):
@@ -21,6 +22,7 @@ def apply_rope(x, positions, inv_freq, attn_factor):
 
 def rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots, *,
                   num_heads, num_kv_heads, head_dim):
+    qkv = total(qkv)  # (a SplitSum: its parts added first)
     T = qkv.shape[0]
     H, KV, hd = num_heads, num_kv_heads, head_dim
     q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)

@@ -1,0 +1,39 @@
+"""A matmul output left as its split-K partial sums, for the consumer kernel to add.
+
+A decode GEMV split over K (kernels/quant_matmul/pallas_dp4a.py) writes f32 partials [P, ..., N]; adding
+them is one more ~1.2 us XLA kernel per matmul (3 per layer on the H200 profile). The consumers that are
+kernels themselves — the fused add + RMSNorm and RoPE + K/V write — take a SplitSum and add the parts
+while they load the row. `total()` is the plain output, rounded to the matmul's dtype exactly as the
+matmul would have, so a consumer given a SplitSum computes the same function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_pytree_node_class
+class SplitSum:
+    def __init__(self, parts, dtype):
+        self.parts = parts  # [P, ..., N] f32
+        self.dtype = jnp.dtype(dtype)
+
+    @property
+    def shape(self):
+        return self.parts.shape[1:]
+
+    def total(self):
+        return jnp.sum(self.parts, axis=0).astype(self.dtype)
+
+    def tree_flatten(self):
+        return (self.parts,), self.dtype
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        return cls(children[0], dtype)
+
+
+def total(y):
+    """y itself, or a SplitSum's total."""
+    return y.total() if isinstance(y, SplitSum) else y
