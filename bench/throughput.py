@@ -71,6 +71,9 @@ def main(argv=None):
     ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quant", default="none",
+                    help="none (dense --dtype weights) or a packed format of random weights (q4k: LM head q6k)")
+    ap.add_argument("--int8-activations", action="store_true", help="the engine's int8_activations option")
     ap.add_argument("--async-scheduling", default="on",
                     help="comma list of on/off: run every workload with the engine's async scheduling so")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
@@ -87,7 +90,19 @@ def main(argv=None):
     print(f"# jax {jax.__version__} on {dev.device_kind}; {args.config} random {args.dtype}; chunk "
           f"{args.chunk}; K={args.decode_steps}; median of {args.runs}", flush=True)
     t = time.perf_counter()
-    lm = random_model(args.config, dtype=args.dtype)
+    if args.quant == "none":
+        lm = random_model(args.config, dtype=args.dtype)
+    else:  # the same shape with packed matmul weights (bench/random_model.py), never dense first
+        from bench.random_model import random_packed_layers
+        from jaxserve.engine.llm_engine import RANDOM_PREFIX, LoadedModel
+        from jaxserve.loader.tokenizer import Tokenizer
+        from jaxserve.models.presets import model_config
+
+        cfg = model_config(args.config)
+        lm = LoadedModel(cfg=cfg, tokenizer=Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids),
+                         weights=random_packed_layers(cfg, args.quant, args.dtype,
+                                                      head_fmt="q6k" if args.quant == "q4k" else None),
+                         name=RANDOM_PREFIX + args.config, mesh=None, rules=None)
     jax.block_until_ready(lm.weights)
     print(f"# weights built in {time.perf_counter() - t:.1f}s", flush=True)
     max_n = max(n for n, _, _ in wls)
@@ -95,7 +110,8 @@ def main(argv=None):
     seq_buckets = tuple(sorted({1, *(n for n, _, _ in wls)}))
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_n, prefill_chunk_size=args.chunk,
                         token_buckets=(args.chunk,), seq_buckets=seq_buckets, dtype=args.dtype,
-                        decode_steps=args.decode_steps, enable_prefix_cache=False, num_blocks=1)
+                        decode_steps=args.decode_steps, enable_prefix_cache=False, num_blocks=1,
+                        int8_activations=args.int8_activations)
     need_blocks = max_n * -(-max_len // ecfg.block_size) + 2
     ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
     print(f"# KV cache: {need_blocks} blocks, {need_blocks * kv_bytes_per_block(lm.cfg, ecfg) / 2**30:.1f} GiB",
