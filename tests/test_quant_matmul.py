@@ -150,6 +150,25 @@ def test_bdot_tunables_bf16(fmt, M, tun):
     _check(y, _oracle(np.asarray(x, np.float32), qw), rtol=1e-2)
 
 
+def test_bdot_split_out():
+    """split_out: a 'bdot' call split over K hands back its f32 partials (kernels/split_sum.SplitSum)
+    whose total is the plain call's output; one split, another mode, or columns padded to the tile
+    give the plain output."""
+    from jaxserve.kernels.split_sum import SplitSum
+
+    qw = _weight("q4k", n=256)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((1, K)), jnp.bfloat16)
+    want = pt.qmatmul(x, qw, mode="bdot", splits=2, block_n=128, interpret=True)
+    got = pt.qmatmul(x, qw, mode="bdot", splits=2, block_n=128, split_out=True, interpret=True)
+    assert isinstance(got, SplitSum) and got.parts.shape == (2, 1, 256) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.total(), np.float32), np.asarray(want, np.float32))
+    assert pt.qmatmul.takes_split_out
+    for w, kw in ((qw, dict(mode="bdot", splits=1)), (qw, dict(mode="fma", splits=2)),
+                  (_weight("q4k"), dict(mode="bdot", splits=2))):  # N = 96: padded to the 128-column tile
+        y = pt.qmatmul(x, w, split_out=True, interpret=True, block_n=128, **kw)
+        assert not isinstance(y, SplitSum) and y.shape == (1, w.meta.N)
+
+
 @pytest.mark.parametrize("tun", [dict(block_n=16, block_k=256, splits=1),
                                  dict(block_m=32, block_n=128, splits=5)], ids=str)
 def test_tunables(tun):

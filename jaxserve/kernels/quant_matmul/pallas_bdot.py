@@ -164,9 +164,11 @@ def _kernel(layer_ref, x_ref, *refs, names, meta, M, G, R, bn, N, per, nsup, wdt
         o_ref[ks, m, pl.ds(n0, bn)] = y.astype(o_ref.dtype)
 
 
-def run(x2, names, leaves, layer, meta: QMeta, p: dict, *, interpret: bool, compiler_params, out_dtype):
+def run(x2, names, leaves, layer, meta: QMeta, p: dict, *, interpret: bool, compiler_params, out_dtype,
+        keep_splits: bool = False):
     """x2 [M, K] @ W -> [M, Np] (f32 when split, else out_dtype). leaves: the stacked kernel inputs
-    named by `names` (gscale already removed); layer: int32 [1]."""
+    named by `names` (gscale already removed); layer: int32 [1]. keep_splits: return the f32 partials
+    [splits, M, Np] unsummed when there are several."""
     M, K = x2.shape
     wdt = jnp.bfloat16 if x2.dtype == jnp.bfloat16 else jnp.float32
     nslab = meta.Kp // meta.slab
@@ -186,4 +188,6 @@ def run(x2, names, leaves, layer, meta: QMeta, p: dict, *, interpret: bool, comp
         compiler_params=compiler_params,
         name=f"qbdot_{meta.fmt}_m{M}_n{bn}_g{p['G']}_s{splits}",
     )(layer, xp, *leaves)
-    return out[0] if splits == 1 else jnp.sum(out, axis=0)
+    if splits == 1:
+        return out[0]
+    return out if keep_splits else jnp.sum(out, axis=0)

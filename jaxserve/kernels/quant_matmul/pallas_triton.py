@@ -49,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul import pallas_bdot, pallas_gemv
+from jaxserve.kernels.split_sum import SplitSum
 from jaxserve.quant.qweight import QMeta, QWeight, decode_scale, dequantize, leaf_names, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
@@ -260,8 +261,11 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=None, splits=None,
             mode=None, num_warps=None, num_stages=None, interpret=None, xla_min_m: int = 512, reduce=None,
-            rows=None, prefetch=None, decode_mode=None, decode_max_m=None):
+            rows=None, prefetch=None, decode_mode=None, decode_max_m=None, split_out: bool = False):
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype. See the module docstring.
+
+    split_out: the caller's consumer adds split-K partials itself (kernels/split_sum.py): a 'bdot'
+    call split over K returns them as a SplitSum instead of reducing them with one more kernel.
 
     qw: a QWeight [K, N], or stacked [L, K, N] with `layer` (an int or traced int32 scalar): the
     kernel indexes the stacked leaves itself, so no per-layer copy of the weights is made.
@@ -299,8 +303,11 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     if p["mode"] in ("gemv", "bdot"):
         cp = None if interpret else _compiler_params(p["num_warps"], num_stages or 2)
         kernel = pallas_gemv if p["mode"] == "gemv" else pallas_bdot
+        keep = split_out and p["mode"] == "bdot" and p["splits"] > 1 and p["Np"] == meta.N and gscale is None
         y = kernel.run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
-                       compiler_params=cp)
+                       compiler_params=cp, **({"keep_splits": True} if keep else {}))
+        if keep:
+            return SplitSum(y.reshape(p["splits"], *lead, meta.N), x.dtype)
         if gscale is not None:
             y = y.astype(jnp.float32) * gscale[layer[0]].astype(jnp.float32)
         return y[:, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
@@ -332,3 +339,6 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     if gscale is not None:
         y = y.astype(jnp.float32) * gscale[layer[0]].astype(jnp.float32)
     return y[:M, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
+
+
+qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum (see split_out)
