@@ -67,7 +67,8 @@ def _read_bytes(w) -> int:
     not its bit planes."""
     if not _is_qweight(w):
         return w.size * w.dtype.itemsize
-    skip = {n for n in w.arrays if n.startswith("q") and n[1:].isdigit()} if "qk" in w.arrays else set()
+    copy = "qk" in w.arrays or "dp4a_codes" in w.arrays  # read through the K-major copy instead
+    skip = {n for n in w.arrays if n.startswith("q") and n[1:].isdigit()} if copy else set()
     return sum(a.size * a.dtype.itemsize for n, a in w.arrays.items() if n not in skip)
 
 

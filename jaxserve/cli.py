@@ -32,9 +32,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
                    help="keep quantized weights packed on the device (auto: on a GPU with one device)")
     g.add_argument("--int8-activations", action="store_true",
-                   help="decode matmuls of packed 4-bit weights (q4_0, q4_1, q4k, GPTQ/AWQ int4) round "
-                        "activations to int8 and use integer dot products, as llama.cpp does: faster on a "
-                        "GPU, ~5e-3 from the exact matmul (one device; those codes are held twice)")
+                   help="decode matmuls of packed weights with 4-8-bit integer codes (q4_0 q4_1 q5_0 q5_1 "
+                        "q4k q5k q6k q8_0, GPTQ/AWQ int4/int8) round activations to int8 and use integer "
+                        "dot products, as llama.cpp does: faster on a GPU, ~5e-3 from the exact matmul (one "
+                        "device; those codes are held a second time: +0.5 byte/weight for 4-bit, +1 wider)")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--d", dest="d", default=None, metavar="IDS",

@@ -213,10 +213,11 @@ class EngineConfig:
     # 195.7 vs 192.1 tok/s), off on CPU (the reference path either way) and over a mesh.
     fused_rope_kv: bool | None = None
     fuse_projections: bool | None = None  # q/k/v and gate/up as one matmul each; None: on with one device
-    # Decode matmuls of packed 4-bit weights round x to int8 per 32 values and use integer dot products
-    # (llama.cpp's scheme; kernels/quant_matmul/pallas_dp4a.py): q4k bs1 on the H200 ~300 vs ~210 tok/s,
-    # but not the dequantized weights' exact function (~5e-3 relative per matmul). One device; codes
-    # of those weights are held twice.
+    # Decode matmuls of packed weights with 4-8-bit integer codes round x to int8 per 32 values (16 for
+    # q6k) and use integer dot products (llama.cpp's scheme; kernels/quant_matmul/pallas_dp4a.py): q4k
+    # bs1 on the H200 313-344 vs ~210-220 tok/s, but not the dequantized weights' exact function (~5e-3
+    # relative per matmul). One device; those codes are held a second time (+0.5 byte per weight for
+    # 4-bit codes, +1 byte for wider ones).
     int8_activations: bool = False
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
 

@@ -347,10 +347,11 @@ def test_code_copy_wiring():
     from jaxserve.kernels.quant_matmul import pallas_kmajor as km
 
     ws = {"a": _weight("q4k", k=512, n=128), "b": _weight("q6k", k=512, n=128), "c": _weight("q2k", k=512, n=128)}
-    for mod, mm, copies in ((km, functools.partial(km.qmatmul_with_copy, decode_max_m=2, interpret=True), "a"),
-                            (dp, functools.partial(dp.engine_qmatmul, interpret=True), "ab")):
+    for mod, mm, copies, leaf in ((km, functools.partial(km.qmatmul_with_copy, decode_max_m=2, interpret=True),
+                                   "a", "qk"),
+                                  (dp, functools.partial(dp.engine_qmatmul, interpret=True), "ab", dp.COPY)):
         tree = mod.attach({**ws, "d": jnp.ones(3)})
-        assert {k for k in ws if "qk" in tree[k].arrays} == set(copies)
+        assert {k for k in ws if leaf in tree[k].arrays} == set(copies)
         y = jax.jit(lambda t, x, mm=mm: jax.tree.map(lambda w: mm(x, w), {k: t[k] for k in ws},
                                                      is_leaf=lambda w: hasattr(w, "meta")))
         for M in (1, 3):  # M=3: above the copy's max M, the default kernel on the same weights

@@ -209,11 +209,14 @@ def test_int8_activations_engine(tmp_path):
             assert eng.runner.qmatmul is pallas_dp4a.engine_qmatmul
             layers = eng.runner.weights["layers"]
             w = (layers[0] if isinstance(layers, list) else layers)["qkv"]
-            assert "qk" in w.arrays
+            assert pallas_dp4a.COPY in w.arrays
         o = LLM.from_engine(eng).generate("hello quantized world", sp)[0]
         runs[name] = (o.outputs[0].token_ids, np.array([lp for lp, _ in o.prompt_logprobs[1:]]),
                       np.array([lp for lp, _ in o.outputs[0].logprobs]))
         del eng
+    with pytest.raises(ValueError, match="do not pass qmatmul"):
+        LLMEngine(str(d), engine_config=EngineConfig(**base, int8_activations=True), warmup=False,
+                  runner_cls=functools.partial(ModelRunner, qmatmul=int8_ref))
     assert runs["int8"][0] == runs["int8 ref"][0]
     assert np.abs(runs["int8"][2] - runs["int8 ref"][2]).max() <= 1e-4
     assert np.abs(runs["int8"][1] - runs["exact"][1]).max() <= 1e-5
@@ -229,15 +232,19 @@ def test_split_sums_reach_their_consumers():
     from jaxserve.kernels.rope_kv.reference import rope_write_kv
     from jaxserve.kernels.split_sum import SplitSum
 
-    asked = []
+    from collections import Counter
+
+    asked = Counter()
+    rng = np.random.default_rng(0)
 
     def split_ref(x, w, split_out=False, **kw):
         y = reference.qmatmul(x, w, **kw)
         if not split_out:
             return y
-        asked.append(w.meta.N)
-        y32 = y.astype(jnp.float32)
-        return SplitSum(jnp.stack([0.5 * y32, 0.25 * y32, 0.25 * y32]), y.dtype)
+        asked[w.meta.N] += 1
+        y32 = y.astype(jnp.float32)  # 9 unequal parts whose f32 sum is y up to rounding
+        f = jnp.asarray(rng.dirichlet(np.ones(9)), jnp.float32)
+        return SplitSum(f[:, None, None] * y32[None], y.dtype)
 
     split_ref.takes_split_out = True
     from jaxserve.models.transformer import fuse_projections
@@ -248,6 +255,8 @@ def test_split_sums_reach_their_consumers():
     want = _logprobs(cfg, packed, ids, scan=False, rope_kv=rope_write_kv)
     got = _logprobs(cfg, packed, ids, scan=False, qmm=split_ref, rope_kv=rope_write_kv)
     D, hd = cfg.hidden_size, cfg.head_dim
-    assert sorted(set(asked)) == sorted({D, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd})  # qkv, o and down
+    # the unrolled layers share one traced block per residual kind (none for the first layer, then a
+    # SplitSum): per trace, q/k/v once and o and down (both N = D) once each
+    assert asked == Counter({(cfg.num_heads + 2 * cfg.num_kv_heads) * hd: 2, D: 4}), asked
     assert np.abs(got - want).max() <= 1e-4
     assert (got.argmax(-1) == want.argmax(-1)).all()

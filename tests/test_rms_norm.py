@@ -34,7 +34,7 @@ def test_add_rms_norm_matches_oracle(impl, T, D, with_r, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("P,T,D", [(3, 1, 4096), (2, 5, 576), (7, 2, 64)])
+@pytest.mark.parametrize("P,T,D", [(3, 1, 4096), (2, 5, 576), (9, 2, 576)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_add_rms_norm_takes_split_sums(impl, P, T, D, dtype):
     """r given as a SplitSum (a split-K matmul's f32 partials, kernels/split_sum.py): the kernel adds
@@ -50,6 +50,8 @@ def test_add_rms_norm_takes_split_sums(impl, P, T, D, dtype):
     s, h = fn(x, SplitSum(parts, dt), w)
     s_want, h_want = fn(x, SplitSum(parts, dt).total(), w)
     assert s.dtype == dt and h.shape == (T, D)
-    tol = 1e-6 if dtype == "float32" else 2e-2  # (XLA may keep bf16 intermediates in f32: 1 ulp)
+    # f32: the same values (the parts are added in one order everywhere, split_sum.add_parts); bf16: XLA
+    # may keep the rounded total in f32 (excess precision), 1 ulp
+    tol = 1e-7 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(s, np.float32), np.asarray(s_want, np.float32), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_want, np.float32), rtol=tol, atol=tol)

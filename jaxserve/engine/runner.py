@@ -181,22 +181,24 @@ class ModelRunner:
         self.compile_seconds = 0.0
 
     def _int8_activations(self, weights, platform):
-        """EngineConfig.int8_activations: one-plane 4-bit packed weights gain the integer-dot kernel's
-        K-major code copy, and that kernel becomes the decode matmul (unless a qmatmul was given)."""
+        """EngineConfig.int8_activations: packed weights with 4-8-bit integer codes gain the integer-dot
+        kernel's K-major code copy, and that kernel becomes the decode matmul."""
         from jaxserve.kernels.quant_matmul import pallas_dp4a
         from jaxserve.quant.qweight import QWeight
 
         if self.mesh is not None:
             raise ValueError("int8_activations needs a single device (no mesh)")
+        if self.qmatmul is not None:
+            raise ValueError("int8_activations chooses the quantized matmul itself: do not pass qmatmul")
         weights = pallas_dp4a.attach(weights)
-        n = sum(isinstance(w, QWeight) and "qk" in w.arrays
+        n = sum(isinstance(w, QWeight) and pallas_dp4a.COPY in w.arrays
                 for w in jax.tree.leaves(weights, is_leaf=lambda w: isinstance(w, QWeight)))
         if not n:
-            log.warning("int8_activations: no packed one-plane 4-bit weights (q4_0, q4_1, q4k, int4); no effect")
+            log.warning("int8_activations: no packed weights with 4-8-bit integer codes "
+                        "(q4_0/q4_1/q5_0/q5_1/q4k/q5k/q6k/q8_0/int4/int8); no effect")
         elif platform == "cpu":
             log.warning("int8_activations on CPU runs the Pallas interpreter: slow, for tests only")
-        if self.qmatmul is None:
-            self.qmatmul = pallas_dp4a.engine_qmatmul
+        self.qmatmul = pallas_dp4a.engine_qmatmul
         return weights
 
     # ------------------------------------------------------------------ programs

@@ -24,7 +24,7 @@ class SplitSum:
         return self.parts.shape[1:]
 
     def total(self):
-        return jnp.sum(self.parts, axis=0).astype(self.dtype)
+        return add_parts(self.parts).astype(self.dtype)
 
     def tree_flatten(self):
         return (self.parts,), self.dtype
@@ -32,6 +32,16 @@ class SplitSum:
     @classmethod
     def tree_unflatten(cls, dtype, children):
         return cls(children[0], dtype)
+
+
+def add_parts(parts):
+    """parts[0] + parts[1] + ... in that order: the order the consumer kernels add them in, so a
+    consumer given a SplitSum and one given its total see the same f32 values (jnp.sum's order is
+    XLA's choice)."""
+    acc = parts[0]
+    for p in range(1, parts.shape[0]):
+        acc = acc + parts[p]
+    return acc
 
 
 def total(y):

@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors, _int_f32, slab_code
+from jaxserve.kernels.split_sum import add_parts
 from jaxserve.quant.qweight import QMeta, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM: sizes the split count
@@ -190,4 +191,4 @@ def run(x2, names, leaves, layer, meta: QMeta, p: dict, *, interpret: bool, comp
     )(layer, xp, *leaves)
     if splits == 1:
         return out[0]
-    return out if keep_splits else jnp.sum(out, axis=0)
+    return out if keep_splits else add_parts(out)

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors
-from jaxserve.kernels.split_sum import SplitSum
+from jaxserve.kernels.split_sum import SplitSum, add_parts
 from jaxserve.quant.qweight import QMeta, QWeight, codes, leaf_names
 
 MAX_M = 4
@@ -295,20 +295,23 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
         return out[0].reshape(*x.shape[:-1], meta.N)
     if split_out:
         return SplitSum(out.reshape(splits, *x.shape[:-1], meta.N), x.dtype)
-    return jnp.sum(out, axis=0).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
+    return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
 
 
 # ------------------------------------------------------------------ the engine's int8_activations path
 ENGINE_MAX_M = 2  # rows of x that take this kernel: at M = 4 it measured slower than 'bdot' (RESULTS.md)
 
 
-def attach_copies(weights, supported, make):
-    """Every QWeight w of a weights tree with supported(w.meta, 1) gains the extra leaf 'qk' = make(w)
+COPY = "dp4a_codes"  # this kernel's extra QWeight leaf (pallas_kmajor's experiment uses 'qk')
+
+
+def attach_copies(weights, supported, make, name: str):
+    """Every QWeight w of a weights tree with supported(w.meta, 1) gains the extra leaf `name` = make(w)
     (QWeight flattens every array it holds, so the copy travels through jit; the other kernels read
-    only their own leaves)."""
+    only their own leaves). Attach after fuse_projections: a fused weight needs its own copy."""
     def one(w):
-        if isinstance(w, QWeight) and supported(w.meta, 1) and "qk" not in w.arrays:
-            return QWeight(w.meta, dict(w.arrays, qk=make(w)))
+        if isinstance(w, QWeight) and supported(w.meta, 1) and name not in w.arrays:
+            return QWeight(w.meta, dict(w.arrays, **{name: make(w)}))
         return w
     return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
 
@@ -317,7 +320,16 @@ def attach(weights):
     """The weights with this kernel's K-major code copy on every QWeight it takes (4-bit one-plane
     formats: +0.5 byte per weight; 5-8-bit formats: +1 byte per weight); prompt steps keep reading the
     original layout."""
-    return attach_copies(weights, supports, jax.jit(repack))
+    return attach_copies(weights, supports, jax.jit(repack), COPY)
+
+
+def _copy_of(qw: QWeight):
+    """qw's copy if it is this kernel's layout for qw (else None)."""
+    qk = qw.arrays.get(COPY)
+    lay = layout(qw.meta)
+    if qk is None or lay is None or qk.dtype != jnp.int32:
+        return None
+    return qk if tuple(qk.shape[-3:]) == (qw.meta.N, qw.meta.Kp // lay[1], lay[2]) else None
 
 
 def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool = False, **kw):
@@ -331,9 +343,13 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     kw = dict(kw)
     kw.setdefault("xq", "kernel")
     bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
-    if "qk" in qw.arrays and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
-        return qmatmul(x, qw, qw.arrays["qk"], split_out=split_out, **kw)
-    return quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))(x, qw)
+    qk = _copy_of(qw)
+    if qk is not None and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
+        return qmatmul(x, qw, qk, split_out=split_out, **kw)
+    default = quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
+    if split_out and getattr(default, "takes_split_out", False):
+        return default(x, qw, split_out=True)
+    return default(x, qw)
 
 
 engine_qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum

@@ -173,7 +173,7 @@ def attach(weights):
     leaf 'qk' (for benchmarks: it adds the codes' bytes once more)."""
     from jaxserve.kernels.quant_matmul.pallas_dp4a import attach_copies
 
-    return attach_copies(weights, supports, repack)
+    return attach_copies(weights, supports, repack, "qk")
 
 
 def qmatmul_with_copy(x, qw: QWeight, *, decode_max_m: int = 2, **kw):
