@@ -132,6 +132,10 @@ def test_bad_quant_options_are_clear_errors():
         EngineConfig(isq="q3_7")
     with pytest.raises(ConfigError, match="int8_activations needs packed weights"):
         EngineConfig(int8_activations=True, packed_weights=False)
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="int8_activations needs a single device"):
+        LLMEngine("nonexistent/model", engine_config=EngineConfig(int8_activations=True), tp=2)
     with pytest.raises(ValueError, match="packed quantized weights run on one device"):
         load_model(None, packed=True, tp=2)
 
