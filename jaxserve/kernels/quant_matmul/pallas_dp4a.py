@@ -248,6 +248,21 @@ def plan(meta: QMeta, block_n: int, block_k: int, splits):
     return tiles, S, -(-nsteps // per), per, nsteps
 
 
+def prepare(x, qw: QWeight, qk, layer, supported, what: str):
+    """Argument handling shared with pallas_kmajor's experiment (kernels over a code copy): (x2 [M, K],
+    factor names, factor leaves, qk, layer int32 [1]), unstacked weights given a layer axis."""
+    meta = qw.meta
+    x2 = x.reshape(-1, x.shape[-1])
+    if not supported(meta, x2.shape[0]):
+        raise ValueError(f"{what}: unsupported {meta.fmt} bits={meta.bits} Kp={meta.Kp} group={meta.group} "
+                         f"M={x2.shape[0]}")
+    names = tuple(n for n in leaf_names(meta) if not n.startswith("q"))
+    leaves = [jnp.asarray(qw.arrays[n]) for n in names]
+    if not qw.batch_shape:
+        leaves, qk, layer = [a[None] for a in leaves], qk[None], 0
+    return x2, names, leaves, qk, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
 def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=None, num_warps=4, num_stages=3,
             xq="xla", split_out=False, interpret=None):
     """x [..., K] @ W [K, N] with int8-quantized x and W's codes from qk (`repack`); factors from qw.
@@ -259,15 +274,8 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
         interpret = jax.devices()[0].platform == "cpu"
     if xq not in ("xla", "kernel"):
         raise ValueError(f"dp4a: xq must be 'xla' or 'kernel', not {xq!r}")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2, names, leaves, qk, layer = prepare(x, qw, qk, layer, supports, "dp4a")
     M = x2.shape[0]
-    if not supports(meta, M):
-        raise ValueError(f"dp4a: unsupported {meta.fmt} bits={meta.bits} Kp={meta.Kp} group={meta.group} M={M}")
-    names = tuple(n for n in leaf_names(meta) if not n.startswith("q"))
-    leaves = [jnp.asarray(qw.arrays[n]) for n in names]
-    if not qw.batch_shape:
-        leaves, qk, layer = [a[None] for a in leaves], qk[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     xp = jnp.pad(x2, ((0, 0), (0, meta.Kp - x2.shape[1])))
     if xq == "kernel":
         xs = (x_views(xp, meta),)

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul.pallas_bdot import _bias
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors
-from jaxserve.quant.qweight import QMeta, QWeight, codes, leaf_names
+from jaxserve.quant.qweight import QMeta, QWeight, codes
 
 RUN = 256  # rows of K per byte run (128 bytes per column)
 ROWS = 16
@@ -107,21 +107,6 @@ def _kernel(layer_ref, x_ref, qk_ref, *refs, names, meta, M, bn, per, nruns, wdt
         o_ref[ks, m, pl.ds(n0, bn)] = y.astype(o_ref.dtype)
 
 
-def prepare(x, qw: QWeight, qk, layer, supported, what: str):
-    """Shared argument handling of the K-contiguous kernels: (x2 [M, K], factor names, factor leaves,
-    qk, layer int32 [1]) with unstacked weights given a layer axis."""
-    meta = qw.meta
-    x2 = x.reshape(-1, x.shape[-1])
-    if not supported(meta, x2.shape[0]):
-        raise ValueError(f"{what}: unsupported {meta.fmt} bits={meta.bits} Kp={meta.Kp} group={meta.group} "
-                         f"M={x2.shape[0]}")
-    names = tuple(n for n in leaf_names(meta) if not n.startswith("q"))
-    leaves = [jnp.asarray(qw.arrays[n]) for n in names]
-    if not qw.batch_shape:
-        leaves, qk, layer = [a[None] for a in leaves], qk[None], 0
-    return x2, names, leaves, qk, jnp.asarray(layer, jnp.int32).reshape(1)
-
-
 def split_plan(meta: QMeta, bn: int, splits, what: str):
     """(column tiles, K splits, runs per split) for block_n = bn: ~8 programs per SM."""
     if meta.N % bn:
@@ -152,6 +137,8 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=64, splits=None, num_warp
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
+    from jaxserve.kernels.quant_matmul.pallas_dp4a import prepare
+
     x2, names, leaves, qk, layer = prepare(x, qw, qk, layer, supports, "kmajor")
     M = x2.shape[0]
     wdt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32

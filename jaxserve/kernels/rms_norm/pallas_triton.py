@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _on_cpu, _pow2
-from jaxserve.kernels.split_sum import SplitSum
+from jaxserve.kernels.split_sum import SplitSum, add_parts
 
 
 def _kernel(*refs, eps, D, has_r, r_dtype):
@@ -27,12 +27,9 @@ def _kernel(*refs, eps, D, has_r, r_dtype):
     if has_r:
         if r_dtype is None:
             r = r_ref[...]
-        else:  # a SplitSum's parts [P, bt, Dp]: add them (one at a time: P need not be a power of
-            # two), rounded as the matmul would have
-            r = r_ref[0]
-            for p in range(1, r_ref.shape[0]):
-                r = r + r_ref[p]
-            r = r.astype(r_dtype)
+        else:  # a SplitSum's parts [P, bt, Dp]: added one at a time (P need not be a power of two)
+            # in split_sum's order, rounded as the matmul would have
+            r = add_parts(r_ref).astype(r_dtype)
         s = (x + r).astype(x.dtype)
     else:
         s = x
