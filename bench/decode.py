@@ -73,7 +73,8 @@ def _read_bytes(w) -> int:
 
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
-                 fuse=None, batch=1, fused_rope_kv=None, qmatmul=None, int8_activations=False):
+                 fuse=None, batch=1, fused_rope_kv=None, qmatmul=None, int8_activations=False,
+                 dense_gemv=None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -83,8 +84,9 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         max_logprobs=max_logprobs, seq_buckets=(batch,), prefill_chunk_size=256,
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
                         fused_rope_kv=fused_rope_kv, int8_activations=int8_activations,
-                        scan_layers=False)
-    runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul)
+                        scan_layers=False, dense_gemv=dense_gemv is not None)
+    runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul,
+                         dense_gemv_tuning=dense_gemv)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
     shape, dt = runner.state["k"].shape, runner.state["k"].dtype
     kk, kv = jax.random.split(jax.random.PRNGKey(seed + 1))
@@ -177,6 +179,9 @@ def main(argv=None):
                          "field passes their keyword arguments, e.g. dp4a:4:xq=kernel,block_n=64")
     ap.add_argument("--int8-activations", action="store_true",
                     help="the engine's int8_activations option (integer-dot decode matmuls of 4-bit weights)")
+    ap.add_argument("--dense-gemv", default="off",
+                    help="semicolon list of variants: off, on, or on:KEY=V,... (the engine's dense_gemv option "
+                         "with kernels/dense_gemv/pallas_triton.TUNING keys, e.g. 'off;on;on:block_n=32,max_splits=4')")
     ap.add_argument("--attn-decode", default=None,
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
@@ -237,13 +242,30 @@ def main(argv=None):
     if weights is not None:
         weights = tf.unstack_layers(weights)  # once, here: every variant below shares these arrays
     fuses = [f == "on" for f in args.fuse.split(",")]
-    variants = [("none", spec, f) for f in sorted(set(fuses)) for spec in args.attention.split(",")
-                if "none" in quants]
-    variants += [(q, spec, True) for q in quants if q != "none" for spec in args.attention.split(",")]
+    dgemvs = []  # None (off) or the kernel's tuning dict
+    for v in args.dense_gemv.split(";"):
+        if v == "off":
+            dgemvs.append(None)
+        elif v == "on" or v.startswith("on:"):
+            from jaxserve.kernels.dense_gemv import pallas_triton as dpt
+
+            kw = dict(kv.split("=") for kv in v[3:].split(",")) if v.startswith("on:") else {}
+            bad = set(kw) - set(dpt.TUNING)
+            if bad:
+                raise SystemExit(f"--dense-gemv: unknown keys {sorted(bad)} (known: {sorted(dpt.TUNING)})")
+            dgemvs.append({k: int(x) for k, x in kw.items()})
+        else:
+            raise SystemExit(f"--dense-gemv: variant {v!r} is not off, on or on:KEY=V,...")
+    variants = [("none", spec, f, d) for f in sorted(set(fuses)) for spec in args.attention.split(",")
+                for d in dgemvs if "none" in quants]
+    variants += [(q, spec, True, d) for q in quants if q != "none" for spec in args.attention.split(",")
+                 for d in dgemvs]
     fused = False
-    for quant, spec, fuse in variants:
+    for quant, spec, fuse, dgemv in variants:
         label, fn = parse_impl(spec)
         label += (" fused" if fuse else "") + (f" rope_kv={args.fused_rope_kv}" if args.fused_rope_kv != "auto" else "")
+        if dgemv is not None:
+            label += " dgemv" + "".join(f",{k}={v}" for k, v in sorted(dgemv.items()))
         if quant != "none":
             from bench.random_model import random_packed_layers
 
@@ -269,7 +291,7 @@ def main(argv=None):
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv],
-                              qmatmul=qmatmul, int8_activations=args.int8_activations)
+                              qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv)
         t = time.perf_counter()
         try:
             runner.compile(("decode", B))

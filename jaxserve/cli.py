@@ -69,6 +69,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--program-store", choices=["auto", "on", "off"], default="auto",
                    help="keep compiled programs next to the compile cache so a warm start skips tracing "
                         "(auto: on with one device and no tp/dp mesh)")
+    e.add_argument("--dense-gemv", choices=["auto", "on", "off"], default="auto",
+                   help="decode steps' dense q/k/v, o and down matmuls as Pallas GEMVs that pass split-K "
+                        "partials to the next kernel and fuse the MLP activation (one GPU; auto: off)")
     e.add_argument("--seed", type=int, default=None)
 
 
@@ -109,6 +112,8 @@ def engine_config_from_args(args):
         kw["packed_weights"] = args.packed == "on"
     if getattr(args, "int8_activations", False):
         kw["int8_activations"] = True
+    if getattr(args, "dense_gemv", "auto") != "auto":
+        kw["dense_gemv"] = args.dense_gemv == "on"
     return EngineConfig(**kw)
 
 

@@ -219,6 +219,9 @@ class EngineConfig:
     # relative per matmul). One device; those codes are held a second time (+0.5 byte per weight for
     # 4-bit codes, +1 byte for wider ones).
     int8_activations: bool = False
+    # Decode steps' dense q/k/v, o and down matmuls as Pallas GEMVs (kernels/dense_gemv) that hand split-K
+    # partials to the RoPE/norm kernels and fuse the MLP activation into the down matmul. None: off.
+    dense_gemv: bool | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
 
     def __post_init__(self):

@@ -298,8 +298,9 @@ class LLMEngine:
         if isinstance(engine_config, dict):
             engine_config = EngineConfig.from_dict(engine_config)
         ecfg = engine_config or EngineConfig()
-        if ecfg.int8_activations and tp > 1:  # before the (long) load, not after it
-            raise ValueError("int8_activations needs a single device per model (tp = 1)")
+        for opt in ("int8_activations", "dense_gemv"):  # before the (long) load, not after it
+            if getattr(ecfg, opt) and tp > 1:
+                raise ValueError(f"{opt} needs a single device per model (tp = 1)")
         setup_compilation_cache(ecfg.compile_cache_dir)
         t0 = time.perf_counter()
         lm = model if isinstance(model, LoadedModel) else load_model(

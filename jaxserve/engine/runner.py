@@ -91,7 +91,7 @@ class _Pending:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights, num_blocks: int,
-                 attention=None, mesh=None, rules=None, qmatmul=None):
+                 attention=None, mesh=None, rules=None, qmatmul=None, dense_gemv_tuning=None):
         self.cfg, self.ecfg, self.weights = cfg, ecfg, weights
         # The quantized matmul for packed weights: None = the platform's default (benchmarks pass a
         # variant, e.g. functools.partial(pallas_triton.qmatmul, decode_mode="gemv")).
@@ -144,6 +144,13 @@ class ModelRunner:
             self.weights = weights = tf.fuse_projections(weights)
         if ecfg.int8_activations:
             self.weights = weights = self._int8_activations(weights, platform)
+        if ecfg.dense_gemv:
+            if mesh is not None:
+                raise ValueError("dense_gemv needs a single device (no mesh)")
+            from jaxserve.kernels import dense_gemv
+
+            # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv)
+            self.qmatmul = dense_gemv.engine_matmul(self.qmatmul, **(dense_gemv_tuning or {}))
         self.num_top = ecfg.max_logprobs
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
         self.MB = ecfg.max_blocks_per_seq

@@ -38,6 +38,8 @@ def linear(x, w, qmm: Callable | None = None, split_out: bool = False):
         return cpu_native.qmatmul(x, w)
     if isinstance(w, cpu_native.LayerOf):  # one layer of a stacked CpuQWeight, read in place
         return cpu_native.qmatmul(x, w.weight, layer=w.index)
+    if getattr(qmm, "takes_dense", False):  # the runner's decode matmul (kernels/dense_gemv.engine_matmul)
+        return qmm(x, w, split_out=split_out)
     if isinstance(w, QWeight):
         if qmm is None:
             from jaxserve.kernels import quant_matmul
@@ -122,11 +124,16 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x, h = add_norm(x, o, w["ffn_norm"], eps)
-    if "gate_up" in w:
-        g, u = jnp.split(linear(h, w["gate_up"], qmm), 2, axis=-1)
+    down_split = split_sums and not cfg.sandwich_norms
+    if "gate_up" in w and getattr(qmm, "takes_act", False):
+        # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
+        m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
     else:
-        g, u = linear(h, w["gate"], qmm), linear(h, w["up"], qmm)
-    m = linear(_act(cfg, g) * u, w["down"], qmm, split_out=split_sums and not cfg.sandwich_norms)
+        if "gate_up" in w:
+            g, u = jnp.split(linear(h, w["gate_up"], qmm), 2, axis=-1)
+        else:
+            g, u = linear(h, w["gate"], qmm), linear(h, w["up"], qmm)
+        m = linear(_act(cfg, g) * u, w["down"], qmm, split_out=down_split)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
     return x, m, (k_cache, v_cache)

@@ -1,0 +1,74 @@
+"""Decode GEMV of dense (bf16/f16/f32) weights: `gemv(x, w, act=None, split_out=False)` = x [M, K] @ w [K, N]
+for the few rows of a decode step, or, with `act`, (act(g) * u) @ w where x = [g | u] is the fused
+gate/up output [M, 2K] (the SiLU/GELU-multiply done while x is loaded: one kernel fewer per layer).
+
+  reference      plain jax.numpy; the oracle (returns the plain output, never a SplitSum)
+  pallas_triton  one Pallas Triton-backend kernel (GPU): split over K; with split_out its f32 partials
+                 go to the consumer kernel as a SplitSum (kernels/split_sum.py) instead of XLA's GEMM
+                 and its split-K reduction kernel
+
+`engine_matmul(packed)` is the runner's matmul (EngineConfig.dense_gemv): dense weights of the matmuls
+whose output goes to a kernel that takes a SplitSum (q/k/v, o) or that take the activation (down) run
+the Pallas GEMV for up to `max_m` rows; everything else is x @ w (dense) or `packed` (QWeight).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from jaxserve.kernels import registry
+from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
+
+ENGINE_MAX_M = 2
+
+
+def get(name: str):
+    return registry.load(__name__, name, "gemv", "dense_gemv")
+
+
+def act_mul(act: str, x):
+    """act(g) * u of x = [g | u] (the model's own jnp function: transformer._act)."""
+    import jax
+    import jax.numpy as jnp
+
+    g, u = jnp.split(x, 2, axis=-1)
+    if act == "gelu_tanh":
+        return jax.nn.gelu(g, approximate=True) * u
+    if act == "silu":
+        return jax.nn.silu(g) * u
+    raise ValueError(f"dense_gemv: unknown activation {act!r}")
+
+
+def engine_matmul(packed=None, *, max_m: int = ENGINE_MAX_M, **tuning):
+    """The runner's matmul (transformer.linear's `qmm`) with the dense decode GEMV on: packed
+    weights go to `packed` (None: the platform's quantized matmul); dense 2-D weights of a call that
+    asks for split_out or act, with at most max_m rows, go to the Pallas GEMV (tuning: its keyword
+    arguments); other dense calls are x @ w. A partial of a module function, so the program store's
+    key names its arguments (program_store.stable_name)."""
+    mm = functools.partial(_engine_mm, packed=packed, max_m=max_m, tuning=tuple(sorted(tuning.items())))
+    mm.takes_split_out = True
+    mm.takes_dense = True  # transformer.linear hands it dense weights too
+    mm.takes_act = True  # ... and the down projection's [g | u] input with the activation's name
+    return mm
+
+
+def _engine_mm(x, w, *, split_out: bool = False, act: str | None = None, packed=None, max_m: int, tuning):
+    import jax
+
+    from jaxserve.kernels.dense_gemv import pallas_triton
+    from jaxserve.quant.qweight import QWeight
+
+    if isinstance(w, QWeight):
+        from jaxserve.kernels import quant_matmul
+
+        q = packed or quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
+        x = act_mul(act, x) if act is not None else x
+        if split_out and getattr(q, "takes_split_out", False):
+            return q(x, w, split_out=True)
+        return q(x, w)
+    M = math.prod(x.shape[:-1])
+    if (split_out or act is not None) and M <= max_m and pallas_triton.supports(x, w, act):
+        return pallas_triton.gemv(x, w, act=act, split_out=split_out, **dict(tuning))
+    x = act_mul(act, x) if act is not None else x
+    return x @ w

@@ -1,0 +1,118 @@
+"""Dense decode GEMV in Pallas (Triton backend); interpret mode on CPU (tests).
+
+Grid (column tiles of `block_n`, K splits). Each program walks its share of K in steps of `block_k`
+rows, loading a [block_k, block_n] weight tile (N-contiguous rows: the checkpoint's layout, no copy)
+and the matching piece of each of the M rows of x, and keeps a [block_k, block_n] f32 accumulator per
+row (one reduction over K at the end, not one per step). With more than one K split the partials
+[splits, M, N] f32 either come back as a SplitSum (split_out: the RoPE + K/V-write and add + RMSNorm
+kernels add them while loading) or are added here in split_sum's order. With `act`, x = [g | u] and
+each program computes act(g) * u (f32, rounded to x's dtype) for the rows of K it reads.
+
+Splits are capped (`max_splits`): a consumer program loads every part of its row, so a split count
+that fills the GPU through K instead of N moves the cost into the consumer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxserve.kernels.dense_gemv.reference import act_f32
+from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _on_cpu
+from jaxserve.kernels.split_sum import SplitSum, add_parts
+
+MAX_M = 4
+NUM_SMS = 132
+# Defaults (bench/decode.py --dense-gemv k=v,... passes others): columns per tile, K rows per step,
+# target programs per SM, most K splits, warps, pipeline stages.
+TUNING = dict(block_n=64, block_k=64, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def supports(x, w, act=None) -> bool:
+    """Shapes the kernel takes: a 2-D float weight, at most MAX_M rows, K and N with a power-of-two
+    tile of at least 16."""
+    if getattr(w, "ndim", 0) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        return False
+    K, N = w.shape
+    xk = x.shape[-1] // 2 if act is not None else x.shape[-1]
+    M = 1
+    for d in x.shape[:-1]:
+        M *= d
+    return (xk == K and M <= MAX_M and _largest_pow2_divisor(K, 16) == 16
+            and _largest_pow2_divisor(N, 16) == 16)
+
+
+def plan(K: int, N: int, block_n: int, block_k: int, per_sm: int, max_splits: int):
+    """(bn, bk, column tiles, K splits, steps per split, total steps)."""
+    bn = _largest_pow2_divisor(N, block_n)
+    bk = _largest_pow2_divisor(K, block_k)
+    tiles, nsteps = N // bn, K // bk
+    splits = max(1, min(nsteps, max_splits, -(-per_sm * NUM_SMS // tiles)))
+    per = -(-nsteps // splits)
+    return bn, bk, tiles, -(-nsteps // per), per, nsteps
+
+
+def _kernel(x_ref, w_ref, o_ref, *, M, K, bn, bk, per, nsteps, act):
+    jn, ks = pl.program_id(0), pl.program_id(1)
+    n0 = jn * bn
+    f32 = jnp.float32
+
+    def x_piece(m, k0):
+        if act is None:
+            return x_ref[m, pl.ds(k0, bk)].astype(f32)
+        g = x_ref[m, pl.ds(k0, bk)].astype(f32)
+        u = x_ref[m, pl.ds(K + k0, bk)].astype(f32)
+        return (act_f32(act, g) * u).astype(x_ref.dtype).astype(f32)  # rounded as the reference
+
+    def body(i, acc):
+        k0 = i * bk
+        wt = w_ref[pl.ds(k0, bk), pl.ds(n0, bn)].astype(f32)
+        return tuple(acc[m] + x_piece(m, k0)[:, None] * wt for m in range(M))
+
+    b0 = ks * per
+    b1 = jnp.minimum(b0 + per, nsteps)
+    acc = lax.fori_loop(b0, b1, body, tuple(jnp.zeros((bk, bn), f32) for _ in range(M)))
+    for m in range(M):
+        o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(acc[m], axis=0).astype(o_ref.dtype)
+
+
+def gemv(x, w, *, act: str | None = None, split_out: bool = False, interpret: bool | None = None, **tuning):
+    """x [..., K] (or [..., 2K] = [g | u] with act) @ w [K, N] -> [..., N] in x's dtype, or a SplitSum
+    of f32 partials when split_out and K is split. tuning: TUNING's keys."""
+    unknown = set(tuning) - set(TUNING)
+    if unknown:
+        raise ValueError(f"dense_gemv: unknown tuning {sorted(unknown)}; known: {sorted(TUNING)}")
+    t = dict(TUNING, **tuning)
+    if not supports(x, w, act):
+        raise ValueError(f"dense_gemv: unsupported x {x.shape} / w {getattr(w, 'shape', None)}")
+    if interpret is None:
+        interpret = _on_cpu()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    K, N = w.shape
+    bn, bk, tiles, splits, per, nsteps = plan(K, N, t["block_n"], t["block_k"], t["per_sm"], t["max_splits"])
+    kernel = functools.partial(_kernel, M=M, K=K, bn=bn, bk=bk, per=per, nsteps=nsteps, act=act)
+    odt = x.dtype if splits == 1 else jnp.float32  # one split: the kernel writes the output itself
+    full = pl.BlockSpec()
+    out = pl.pallas_call(
+        kernel, grid=(tiles, splits), in_specs=[full, full], out_specs=full,
+        out_shape=jax.ShapeDtypeStruct((splits, M, N), odt), interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(t["num_warps"], t["num_stages"]),
+        name=f"dense_gemv_m{M}_n{bn}_k{bk}_s{splits}" + (f"_{act}" if act else ""))(x2, w)
+    if splits == 1:
+        return out[0].reshape(*lead, N)
+    if split_out:
+        return SplitSum(out.reshape(splits, *lead, N), x.dtype)
+    return add_parts(out).astype(x.dtype).reshape(*lead, N)
