@@ -253,7 +253,7 @@ def main(argv=None):
             bad = set(kw) - set(dpt.TUNING)
             if bad:
                 raise SystemExit(f"--dense-gemv: unknown keys {sorted(bad)} (known: {sorted(dpt.TUNING)})")
-            dgemvs.append({k: int(x) for k, x in kw.items()})
+            dgemvs.append({k: int(x) if x.isdigit() else x for k, x in kw.items()})
         else:
             raise SystemExit(f"--dense-gemv: variant {v!r} is not off, on or on:KEY=V,...")
     variants = [("none", spec, f, d) for f in sorted(set(fuses)) for spec in args.attention.split(",")

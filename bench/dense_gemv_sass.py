@@ -61,7 +61,7 @@ def main():
     args = ap.parse_args()
     K, N = (int(v) for v in args.shape.split("x"))
     for var in args.variant or [""]:
-        kw = {k: int(v) for k, v in (i.split("=") for i in filter(None, var.split(",")))}
+        kw = {k: int(v) if v.isdigit() else v for k, v in (i.split("=") for i in filter(None, var.split(",")))}
         t = dict(dpt.TUNING, **kw)
         bn, bk, tiles, splits, per, nsteps = dpt.plan(K, N, t["block_n"], t["block_k"], t["per_sm"], t["max_splits"])
         ttir, (warps, stages) = capture(K, N, args.M, args.act, kw)

@@ -12,10 +12,18 @@ from jaxserve.kernels.dense_gemv import pallas_triton, reference
 from jaxserve.kernels.split_sum import SplitSum, total
 
 
+@pytest.fixture
+def highest_precision():
+    # on a GPU the reference's f32 dot would otherwise run in TF32
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.mark.parametrize("impl", dense_gemv.IMPLEMENTATIONS)
 @pytest.mark.parametrize("M,K,N", [(1, 256, 192), (2, 576, 960), (1, 1024, 48)])
 @pytest.mark.parametrize("act", [None, "silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("highest_precision")
 def test_gemv_matches_oracle(impl, M, K, N, act, dtype):
     rng = np.random.default_rng(M * K + N)
     dt = jnp.dtype(dtype)
@@ -50,6 +58,8 @@ def test_bad_arguments_are_clear_errors():
     x, w = jnp.ones((1, 64)), jnp.ones((64, 32))
     with pytest.raises(ValueError, match="unknown tuning"):
         pallas_triton.gemv(x, w, block_m=4)
+    with pytest.raises(ValueError, match="mode must be"):
+        pallas_triton.gemv(x, w, mode="mma")
     with pytest.raises(ValueError, match="unsupported"):
         pallas_triton.gemv(jnp.ones((8, 64)), w)  # more rows than MAX_M
     with pytest.raises(ValueError, match="unknown activation"):

@@ -29,7 +29,11 @@ MAX_M = 4
 NUM_SMS = 132
 # Defaults (bench/decode.py --dense-gemv k=v,... passes others): columns per tile, K rows per step,
 # target programs per SM, most K splits, warps, pipeline stages.
-TUNING = dict(block_n=64, block_k=64, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
+# mode: 'dot' (x padded to 16 rows, one tensor-core dot per tile: Triton pipelines the weight loads that
+# feed a dot through shared memory) or 'fma' (f32 multiply-adds; always for f32 weights, whose dot would
+# be TF32).
+TUNING = dict(mode="dot", block_n=64, block_k=64, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
+ROWS = 16  # x's rows padded to the smallest tensor-core tile
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -63,25 +67,47 @@ def plan(K: int, N: int, block_n: int, block_k: int, per_sm: int, max_splits: in
     return bn, bk, tiles, -(-nsteps // per), per, nsteps
 
 
-def _kernel(x_ref, w_ref, o_ref, *, M, K, bn, bk, per, nsteps, act):
+def _x_rows(x_ref, rows, k0, bk, K, act):
+    """x's pieces [len(rows) or scalar, bk] at K offset k0 (act(g) * u, rounded to x's dtype as the
+    reference does, when act)."""
+    ks = k0 + jnp.arange(bk)
+    idx = (rows[:, None], ks[None, :]) if rows.ndim else (rows, ks)
+    if act is None:
+        return x_ref[idx]
+    g = x_ref[idx].astype(jnp.float32)
+    u = x_ref[(idx[0], idx[1] + K)].astype(jnp.float32)
+    return (act_f32(act, g) * u).astype(x_ref.dtype)
+
+
+def _kernel(x_ref, w_ref, o_ref, *, M, K, bn, bk, per, nsteps, act, mode):
+    from jaxserve.kernels.paged_attention.pallas_triton import _dot
+
     jn, ks = pl.program_id(0), pl.program_id(1)
     n0 = jn * bn
     f32 = jnp.float32
+    b0 = ks * per
+    b1 = jnp.minimum(b0 + per, nsteps)
+    if mode == "dot":
+        r = jnp.arange(ROWS)
+        real = r < M
+        rows = jnp.minimum(r, M - 1)  # padded rows re-read row M-1 and are zeroed
 
-    def x_piece(m, k0):
-        if act is None:
-            return x_ref[m, pl.ds(k0, bk)].astype(f32)
-        g = x_ref[m, pl.ds(k0, bk)].astype(f32)
-        u = x_ref[m, pl.ds(K + k0, bk)].astype(f32)
-        return (act_f32(act, g) * u).astype(x_ref.dtype).astype(f32)  # rounded as the reference
+        def body(i, acc):
+            k0 = i * bk
+            xt = jnp.where(real[:, None], _x_rows(x_ref, rows, k0, bk, K, act), 0).astype(w_ref.dtype)
+            return acc + _dot(xt, w_ref[pl.ds(k0, bk), pl.ds(n0, bn)])
+
+        acc = lax.fori_loop(b0, b1, body, jnp.zeros((ROWS, bn), f32))
+        for m in range(M):  # row m of the tile (Triton has no static slice of a tensor)
+            o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(jnp.where(r[:, None] == m, acc, 0.0), axis=0).astype(o_ref.dtype)
+        return
 
     def body(i, acc):
         k0 = i * bk
         wt = w_ref[pl.ds(k0, bk), pl.ds(n0, bn)].astype(f32)
-        return tuple(acc[m] + x_piece(m, k0)[:, None] * wt for m in range(M))
+        return tuple(acc[m] + _x_rows(x_ref, jnp.int32(m), k0, bk, K, act).astype(f32)[:, None] * wt
+                     for m in range(M))
 
-    b0 = ks * per
-    b1 = jnp.minimum(b0 + per, nsteps)
     acc = lax.fori_loop(b0, b1, body, tuple(jnp.zeros((bk, bn), f32) for _ in range(M)))
     for m in range(M):
         o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(acc[m], axis=0).astype(o_ref.dtype)
@@ -103,14 +129,17 @@ def gemv(x, w, *, act: str | None = None, split_out: bool = False, interpret: bo
     M = x2.shape[0]
     K, N = w.shape
     bn, bk, tiles, splits, per, nsteps = plan(K, N, t["block_n"], t["block_k"], t["per_sm"], t["max_splits"])
-    kernel = functools.partial(_kernel, M=M, K=K, bn=bn, bk=bk, per=per, nsteps=nsteps, act=act)
+    if t["mode"] not in ("dot", "fma"):
+        raise ValueError(f"dense_gemv: mode must be 'dot' or 'fma', not {t['mode']!r}")
+    mode = t["mode"] if w.dtype in (jnp.bfloat16, jnp.float16) and x.dtype == w.dtype else "fma"
+    kernel = functools.partial(_kernel, M=M, K=K, bn=bn, bk=bk, per=per, nsteps=nsteps, act=act, mode=mode)
     odt = x.dtype if splits == 1 else jnp.float32  # one split: the kernel writes the output itself
     full = pl.BlockSpec()
     out = pl.pallas_call(
         kernel, grid=(tiles, splits), in_specs=[full, full], out_specs=full,
         out_shape=jax.ShapeDtypeStruct((splits, M, N), odt), interpret=interpret,
         compiler_params=None if interpret else _compiler_params(t["num_warps"], t["num_stages"]),
-        name=f"dense_gemv_m{M}_n{bn}_k{bk}_s{splits}" + (f"_{act}" if act else ""))(x2, w)
+        name=f"dense_gemv_{mode}_m{M}_n{bn}_k{bk}_s{splits}" + (f"_{act}" if act else ""))(x2, w)
     if splits == 1:
         return out[0].reshape(*lead, N)
     if split_out:
