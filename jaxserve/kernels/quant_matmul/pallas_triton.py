@@ -341,4 +341,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     return y[:M, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
 
 
-qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum (see split_out)
+# The model does not ask it for SplitSums: measured on the H200 (q4k, Llama-8B shape, bs1, ctx 0) the
+# consumers adding 'bdot's partials made the step slower, 191.2 vs 209.9 tok/s (bench/RESULTS.md,
+# session 6). split_out=True still works when a caller asks.
+qmatmul.takes_split_out = False
