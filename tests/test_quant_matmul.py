@@ -315,6 +315,28 @@ def test_dp4a_kernel(fmt, M, block_k, xq):
         np.testing.assert_allclose(np.asarray(ys.total()), y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4"])
+@pytest.mark.parametrize("M", [3, 17])
+def test_imma_kernel(fmt, M):
+    """The integer tensor-core kernel for batched decode (pallas_imma.py) computes the int8-activation
+    function x_hat @ W over the dp4a kernel's nibble copy (several K splits, a stacked weight), and
+    engine_qmatmul routes max_m < M <= imma_max_m to it."""
+    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
+    from jaxserve.kernels.quant_matmul import pallas_imma as im
+
+    qw = _weight(fmt, k=512, n=128, layers=2)
+    qk = dp.repack(qw)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), jnp.float32)
+    y = np.asarray(im.qmatmul(x, qw, qk, layer=1, block_n=64, splits=3, interpret=INTERPRET), np.float64)
+    _check(y, np.asarray(dp.reference(x, qw[1]), np.float64), rtol=1e-5)
+    _check(y, _oracle(x, qw, 1), rtol=2e-2)
+    q1 = dp.attach({"w": qw[1]})["w"]  # the engine's weight: the copy attached as a leaf
+    routed = np.asarray(dp.engine_qmatmul(x, q1, imma_max_m=32, interpret=INTERPRET), np.float64)
+    _check(routed, np.asarray(dp.reference(x, qw[1]), np.float64), rtol=1e-5)
+    assert im.supports(qw.meta, 64) and not im.supports(qw.meta, 65)
+    assert not im.supports(_weight("q8_0").meta, 4)  # one 4-bit plane only
+
+
 def test_dp4a_scope():
     from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
 

@@ -340,11 +340,13 @@ def _copy_of(qw: QWeight):
     return qk if tuple(qk.shape[-3:]) == (qw.meta.N, qw.meta.Kp // lay[1], lay[2]) else None
 
 
-def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool = False, **kw):
+def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool = False, imma_max_m: int = 0,
+                   **kw):
     """The runner's quantized matmul with int8_activations: up to max_m rows of x on a weight carrying
     the copy (`attach`) take this kernel (x rounded in the kernel unless kw says otherwise; split_out:
-    its split-K partials may come back as a SplitSum); everything else the platform's default
-    quantized matmul."""
+    its split-K partials may come back as a SplitSum); imma_max_m > max_m: up to that many rows of a
+    4-bit weight take pallas_imma's integer tensor-core kernel over the same copy (an experiment, off
+    by default); everything else the platform's default quantized matmul."""
     from jaxserve.kernels import quant_matmul
 
     M = math.prod(x.shape[:-1])
@@ -354,6 +356,11 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     qk = _copy_of(qw)
     if qk is not None and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
         return qmatmul(x, qw, qk, split_out=split_out, **kw)
+    if qk is not None and max_m < M <= imma_max_m:
+        from jaxserve.kernels.quant_matmul import pallas_imma
+
+        if pallas_imma.supports(qw.meta, M) and qw.meta.N % 64 == 0:
+            return pallas_imma.qmatmul(x, qw, qk)
     default = quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
     if split_out and getattr(default, "takes_split_out", False):
         return default(x, qw, split_out=True)
