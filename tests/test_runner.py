@@ -64,3 +64,44 @@ def test_stored_programs_skip_tracing(tmp_path, monkeypatch):
     third = LLM(str(d), **kw)
     assert not list((tmp_path / "cache" / "jaxserve-programs").glob("*.jaxprog"))
     assert third.generate(prompt, p)[0].outputs[0].token_ids == want.token_ids
+
+
+def test_kv_sizing_probe_has_one_layer_of_each_kind_and_the_same_temporaries():
+    """The KV-cache sizing probe (llm_engine.probe_model): the first layer of each kind, sliced from
+    stacked or picked from per-layer weights; its largest step reports the same temporaries as the
+    whole model's (the assumption that lets the probe compile one layer instead of all)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.config import EngineConfig, ModelConfig
+    from jaxserve.engine.llm_engine import probe_model
+    from jaxserve.engine.runner import ModelRunner
+    from jaxserve.loader.materialize import random_weights
+    from jaxserve.models import transformer as tf
+
+    cfg = ModelConfig(arch="gemma3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, sliding_window=8,
+                      layer_types=("sliding",) * 5 + ("full",))
+    w = random_weights(cfg, jnp.float32, jax.random.PRNGKey(0), 0.2)
+    pcfg, pw = probe_model(cfg, w)
+    assert pcfg.num_layers == 2 and pcfg.layer_types == ("sliding", "full")
+    np.testing.assert_array_equal(np.asarray(pw["layers"]["down"][1]), np.asarray(w["layers"]["down"][5]))
+    listed = tf.unstack_layers(random_weights(cfg, jnp.float32, jax.random.PRNGKey(0), 0.2))
+    picked = probe_model(cfg, listed)[1]["layers"][1]
+    assert picked["down"] is not listed["layers"][5]["down"]  # a copy: the probe runner frees what it fuses
+    np.testing.assert_array_equal(np.asarray(picked["down"]), np.asarray(listed["layers"][5]["down"]))
+    llama = dataclasses.replace(cfg, layer_types=("full",) * 6)
+    assert probe_model(llama, w)[0].num_layers == 1
+    ecfg = EngineConfig(max_model_len=256, max_num_seqs=4, prefill_chunk_size=128, dtype="float32",
+                        scan_layers=False, program_store=False)
+    temps = []
+    for c, ws in ((cfg, w), (pcfg, pw)):
+        r = ModelRunner(c, ecfg, ws, 2)
+        r.compile(("mixed", max(ecfg.token_buckets)))
+        temps.append(r.max_temp_bytes())
+    # the engine reserves PROBE_MARGIN x the probe's: at least what the whole model needs
+    from jaxserve.engine.llm_engine import PROBE_MARGIN
+
+    assert 0 < temps[1] <= temps[0] <= PROBE_MARGIN * temps[1], temps

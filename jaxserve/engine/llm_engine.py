@@ -286,6 +286,28 @@ class _Launched:
     outputs: list
 
 
+PROBE_MARGIN = 1.25  # the KV sizing probe's temporaries, scaled (see LLMEngine.__init__)
+
+
+def probe_model(cfg, weights):
+    """(config, weights) of the model cut to its first layer of each kind (full / sliding window): the
+    KV-cache sizing probe's model. The layer arrays are sliced (stacked) or copied (per-layer list): never
+    the model's own arrays, which the probe runner may free when it fuses projections."""
+    import dataclasses
+
+    import jax
+
+    keep = sorted({cfg.layer_types.index(t) for t in set(cfg.layer_types)})
+    pcfg = dataclasses.replace(cfg, num_layers=len(keep), layer_types=tuple(cfg.layer_types[i] for i in keep))
+    layers = weights["layers"]
+    if isinstance(layers, list):  # copies: the probe runner frees the arrays it fuses
+        layers = [jax.tree.map(lambda a: a.copy(), layers[i]) for i in keep]
+    else:
+        idx = np.asarray(keep)
+        layers = jax.tree.map(lambda a: a[idx], layers)
+    return pcfg, dict(weights, layers=layers)
+
+
 class LLMEngine:
     def __init__(self, model: str | LoadedModel | None = None, *, engine_config: EngineConfig | dict | None = None,
                  file: str | None = None, weights_file: str | None = None,
@@ -320,12 +342,16 @@ class LLMEngine:
         if not (ecfg.num_blocks or ecfg.kv_mem_mb) and jax_platform() != "cpu":
             # The largest step's temporaries come out of the same device memory: compile it once
             # against a small probe cache and read its memory analysis before sizing the KV cache.
-            probe = ModelRunner(lm.cfg, ecfg, lm.weights, 2, attention=attention, mesh=lm.mesh,
-                                rules=lm.rules)
+            # The probe has one layer of each kind (layers run one after another and reuse their
+            # buffers, so the peak is one layer's; on CPU a 30-layer and a 1-layer SmolLM2 step
+            # reported the same temporaries), so this extra compile on the start-up's critical
+            # path is a fraction of the whole model's. A tiny 6-layer model reported 16% more for all
+            # layers than for its probe (small per-layer buffers): PROBE_MARGIN covers that.
+            pcfg, pweights = probe_model(lm.cfg, lm.weights)
+            probe = ModelRunner(pcfg, ecfg, pweights, 2, attention=attention, mesh=lm.mesh, rules=lm.rules)
             probe.compile(("mixed", max(ecfg.token_buckets)))
-            reserved = probe.max_temp_bytes()
-            lm.weights = probe.weights  # the runner may have re-laid them out (per-layer arrays)
-            del probe
+            reserved = int(probe.max_temp_bytes() * PROBE_MARGIN)
+            del probe, pweights
         num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved)
         # runner_cls: multi-host rank 0 uses a runner that also publishes each step's inputs.
         self.runner = (runner_cls or ModelRunner)(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,
