@@ -286,12 +286,14 @@ def main(argv=None):
             fused = True
         elif fuse and not fused:  # unfused variants ran first: their arrays can go
             weights, fused = tf.fuse_projections(weights, free=True), True
-        wbytes = tree_weight_bytes(cfg, weights)
         B = args.batch
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv],
                               qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv)
+        # counted from the runner's weights: --int8-activations reads the layers through the code copies
+        # it attaches (a q6k LM head: 1 byte per weight instead of 0.82)
+        wbytes = tree_weight_bytes(cfg, runner.weights)
         t = time.perf_counter()
         try:
             runner.compile(("decode", B))
