@@ -331,7 +331,7 @@ def test_imma_kernel(fmt, M):
     _check(y, np.asarray(dp.reference(x, qw[1]), np.float64), rtol=1e-5)
     _check(y, _oracle(x, qw, 1), rtol=2e-2)
     q1 = dp.attach({"w": qw[1]})["w"]  # the engine's weight: the copy attached as a leaf
-    routed = np.asarray(dp.engine_qmatmul(x, q1, imma_max_m=32, interpret=INTERPRET), np.float64)
+    routed = np.asarray(dp.engine_qmatmul(x, q1, imma_max_m=32, imma_block_n=32, interpret=INTERPRET), np.float64)
     _check(routed, np.asarray(dp.reference(x, qw[1]), np.float64), rtol=1e-5)
     assert im.supports(qw.meta, 64) and not im.supports(qw.meta, 65)
     assert not im.supports(_weight("q8_0").meta, 4)  # one 4-bit plane only

@@ -346,11 +346,13 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     the copy (`attach`) take this kernel (x rounded in the kernel unless kw says otherwise; split_out:
     its split-K partials may come back as a SplitSum); imma_max_m > max_m: up to that many rows of a
     4-bit weight take pallas_imma's integer tensor-core kernel over the same copy (an experiment, off
-    by default); everything else the platform's default quantized matmul."""
+    by default; imma_<name>=v passes its keyword arguments); everything else the platform's default
+    quantized matmul."""
     from jaxserve.kernels import quant_matmul
 
     M = math.prod(x.shape[:-1])
     kw = dict(kw)
+    imma_kw = {k[5:]: kw.pop(k) for k in list(kw) if k.startswith("imma_")}  # e.g. imma_block_n=128
     kw.setdefault("xq", "kernel")
     bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
     qk = _copy_of(qw)
@@ -360,7 +362,7 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
         from jaxserve.kernels.quant_matmul import pallas_imma
 
         if pallas_imma.supports(qw.meta, M) and qw.meta.N % 64 == 0:
-            return pallas_imma.qmatmul(x, qw, qk)
+            return pallas_imma.qmatmul(x, qw, qk, **imma_kw)
     default = quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
     if split_out and getattr(default, "takes_split_out", False):
         return default(x, qw, split_out=True)
