@@ -276,7 +276,7 @@ def test_kmajor_experiment(fmt, M, dtype):
     _check(y, _oracle(np.asarray(x, np.float32), qs, 1), rtol=2e-5 if dtype == "float32" else 1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4", "q5_0", "q5k", "q6k", "q8_0", "int8"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4", "q5_0", "q5_1", "q5k", "q6k", "q8_0", "int8"])
 @pytest.mark.parametrize("M,block_k,xq", [(1, 1024, "xla"), (3, 64, "xla"), (2, 128, "kernel")])
 def test_dp4a_kernel(fmt, M, block_k, xq):
     """The integer-dot kernel (pallas_dp4a.py, interpreted): x is rounded to int8 per sub-group (32
