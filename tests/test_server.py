@@ -433,8 +433,14 @@ BAD_CHAT = [
     (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "messages[0].content"),
     (json.dumps(chat_body("hi", logprobs=True, top_logprobs=21)).encode(), "top_logprobs"),
     (json.dumps(chat_body("hi", top_logprobs=2)).encode(), "top_logprobs"),
-    (json.dumps(chat_body("hi", tools=[{"type": "function", "function": {"name": "f"}}])).encode(), "tools"),
-    (json.dumps(chat_body("hi", tool_choice="auto")).encode(), "tool_choice"),
+    (json.dumps(chat_body("hi", tools=[{"type": "code_interpreter"}])).encode(), "tools[0]"),
+    (json.dumps(chat_body("hi", tools=[{"type": "function", "function": {"name": "a b"}}])).encode(),
+     "tools[0].function.name"),
+    (json.dumps(chat_body("hi", tool_choice="required")).encode(), "tool_choice"),
+    (json.dumps(chat_body("hi", tools=[{"type": "function", "function": {"name": "f"}}],
+                          tool_choice="required")).encode(), "tool_choice"),
+    (json.dumps(chat_body("hi", functions=[{"name": "f"}])).encode(), "functions"),
+    (json.dumps({"messages": [{"role": "tool", "content": "42"}]}).encode(), "messages[0].tool_call_id"),
     (json.dumps(chat_body("hi", response_format={"type": "json_object"})).encode(), "response_format"),
     (json.dumps(chat_body("hi", modalities=["text", "audio"])).encode(), "modalities"),
     (json.dumps(chat_body("hi", logit_bias={str(i): 1 for i in range(65)})).encode(), "logit_bias"),
@@ -548,3 +554,66 @@ def test_metrics_exposition(url):
         assert name in m, name
     assert m["jaxserve_generation_tokens_total"] > 0 and m["jaxserve_time_to_first_token_seconds_count"] > 0
     assert any(k.startswith("jaxserve_http_requests_total{") for k in m)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _weather_history(city: str) -> list[dict]:
+    """Three earlier turns in which the assistant called get_weather (OpenAI's message shapes): with
+    them the real SmolLM2-135M answers a fourth question with a call of its own."""
+    msgs = []
+    for i, (c, t) in enumerate([("Oslo", "12 C"), ("Rome", "25 C"), ("Lima", "18 C")]):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+        msgs += [{"role": "user", "content": f"Weather in {c}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": f"call_{i}", "content": t},
+                 {"role": "assistant", "content": f"It is {t} in {c}."}]
+    return msgs + [{"role": "user", "content": f"Weather in {city}?"}]
+
+
+def test_tool_calling_end_to_end(url, client):
+    """Tools through the real server and model: the reply's Hermes-format call becomes OpenAI
+    tool_calls (finish_reason 'tool_calls'), streamed as tool-call deltas without the markup, and the
+    openai client reads it; bodies valid against OpenAI's schemas."""
+    body = {"model": "smol", "messages": _weather_history("Paris"), "tools": [WEATHER_TOOL], "temperature": 0,
+            "max_tokens": 40}
+    status, r = post_json(f"{url}/v1/chat/completions", body)
+    assert status == 200, r
+    validate_schema(r, "CreateChatCompletionResponse")
+    ch = r["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
+    (call,) = ch["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    # streamed: the same call as one tool-call delta, no content (the markup is held back)
+    events = sse(f"{url}/v1/chat/completions", dict(body, stream=True))
+    assert events[-1][1] == "[DONE]"
+    chunks = [e for _, e in events[:-1]]
+    for c in chunks:
+        validate_schema(c, "CreateChatCompletionStreamResponse")
+    deltas = [c["choices"][0] for c in chunks]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+    calls = [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
+    assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    # the openai client parses it; the call and its result appended, the model answers in text
+    c = client.chat.completions.create(model="smol", messages=_weather_history("Paris"), tools=[WEATHER_TOOL],
+                                       temperature=0, max_tokens=40)
+    tc = c.choices[0].message.tool_calls[0]
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
+    follow = _weather_history("Paris") + [
+        {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+        {"role": "tool", "tool_call_id": tc.id, "content": "21 C"}]
+    status, r = post_json(f"{url}/v1/chat/completions", {"messages": follow, "tools": [WEATHER_TOOL], "temperature": 0,
+                                                         "max_tokens": 16})
+    assert status == 200, r
+    validate_schema(r, "CreateChatCompletionResponse")
+    assert r["choices"][0]["message"]["content"]
+    # tool_choice "none": the tools are not shown and nothing is parsed
+    status, r = post_json(f"{url}/v1/chat/completions", dict(body, tool_choice="none"))
+    assert status == 200 and "tool_calls" not in r["choices"][0]["message"]

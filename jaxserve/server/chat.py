@@ -6,6 +6,7 @@ import logging
 
 from aiohttp import web
 
+from jaxserve.server import tools
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import Generation, Prompt, chat_logprobs, new_id
 from jaxserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
@@ -23,25 +24,31 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     model = state.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    funcs = tools.check_tools(req.tools, req.tool_choice)
     params = chat_params(state, req)
-    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, funcs)
     gen = Generation(state, [Prompt(ids)], params, new_id("chatcmpl"), prompt_param="messages")
     gen.submit()
+    one_call = req.parallel_tool_calls is False
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream(request, state, gen, model, include_usage)
+        return await _stream(request, state, gen, model, include_usage, funcs, one_call)
     await gen.run()
     want_lp = params.logprobs is not None
-    choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.full_text),
-                          logprobs=ChatChoiceLogprobs(content=chat_logprobs(state, c.token_ids, c.logprobs))
-                          if want_lp else None,
-                          finish_reason=c.finish_reason)
-               for c in gen.choices]
+    choices = []
+    for c in gen.choices:
+        content, calls = tools.parse(c.full_text, funcs) if funcs else (c.full_text, [])
+        calls = calls[:1] if one_call else calls
+        choices.append(ChatChoice(
+            index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
+            logprobs=ChatChoiceLogprobs(content=chat_logprobs(state, c.token_ids, c.logprobs)) if want_lp else None,
+            finish_reason="tool_calls" if calls else c.finish_reason))
     resp = ChatCompletionResponse(id=gen.id, created=gen.created, model=model, choices=choices, usage=gen.usage())
     return web.json_response(dump(resp))
 
 
-async def _stream(request, state, gen: Generation, model: str, include_usage: bool) -> web.StreamResponse:
+async def _stream(request, state, gen: Generation, model: str, include_usage: bool,
+                  funcs: list[dict] | None = None, one_call: bool = False) -> web.StreamResponse:
     want_lp = gen.params.logprobs is not None
     base = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model}
 
@@ -56,6 +63,8 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
 
     w = SSEWriter(request)
     finished: set[int] = set()
+    # with tools: content is streamed until a call may have begun (server/tools.StreamHolder)
+    holders = {c.index: tools.StreamHolder() for c in gen.choices} if funcs else {}
 
     async def on_updates(updates) -> None:
         chunks = []
@@ -66,12 +75,24 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
             lp = None
             if want_lp and u.token_ids:
                 lp = {"content": chat_logprobs(state, u.token_ids, u.logprobs), "refusal": None}
-            if not (u.text or lp or u.finished):
+            text = holders[idx].feed(u.text or "") if funcs else u.text
+            if not (text or lp or u.finished):
                 continue
             fin = u.choice.finish_reason if u.finished else None
+            calls = []
+            if u.finished and funcs:
+                rest, calls = holders[idx].finish(funcs)
+                text = (text or "") + rest
+                calls = calls[:1] if one_call else calls
             if u.finished:
                 finished.add(idx)
-            chunks.append(chunk([choice(idx, {"content": u.text} if u.text else {}, lp, fin)]))
+            if not calls:
+                chunks.append(chunk([choice(idx, {"content": text} if text else {}, lp, fin)]))
+                continue
+            if text or lp:
+                chunks.append(chunk([choice(idx, {"content": text} if text else {}, lp)]))
+            chunks.append(chunk([choice(idx, {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]})]))
+            chunks.append(chunk([choice(idx, {}, None, "tool_calls")]))
         await w.send(chunks)
 
     try:

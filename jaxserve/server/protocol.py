@@ -99,10 +99,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool | None = None  # vLLM extension
-    parallel_tool_calls: bool | None = None  # ignored: there are no tool calls
-    # not implemented: refused unless absent/neutral (check_unsupported)
-    tools: Any = None
+    parallel_tool_calls: bool | None = None  # False: at most one call per reply (the first)
+    tools: Any = None  # validated by server/tools.check_tools
     tool_choice: Any = None
+    # not implemented: refused unless absent/neutral (check_unsupported)
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -139,9 +139,9 @@ def _neutral(field: str, v: Any) -> bool:
     """Whether an unimplemented field's value asks for nothing we would have to do."""
     if v is None:
         return True
-    if field in ("tools", "functions"):
+    if field == "functions":
         return v == []
-    if field in ("tool_choice", "function_call"):
+    if field == "function_call":
         return v == "none"
     if field == "response_format":
         return v == {"type": "text"}
@@ -151,10 +151,8 @@ def _neutral(field: str, v: Any) -> bool:
 
 
 _UNSUPPORTED_WHY = {
-    "tools": "tool calling is not implemented",
-    "tool_choice": "tool calling is not implemented (only \"none\" is accepted)",
-    "functions": "function calling is not implemented",
-    "function_call": "function calling is not implemented (only \"none\" is accepted)",
+    "functions": "the deprecated 'functions' API is not implemented: use 'tools'",
+    "function_call": "the deprecated 'function_call' is not implemented: use 'tool_choice'",
     "response_format": "structured output is not implemented (only {\"type\": \"text\"} is accepted)",
     "audio": "audio output is not supported",
     "modalities": "only the \"text\" modality is supported",
@@ -249,6 +247,14 @@ class ChatMessageOut(_Resp):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[dict] | None = None  # server/tools.parse; left out of the JSON when None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_tool_calls(self, handler):
+        d = handler(self)
+        if d.get("tool_calls") is None:
+            d.pop("tool_calls", None)
+        return d
 
 
 class ChatChoice(_Resp):

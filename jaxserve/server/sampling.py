@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.server import tools
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -128,17 +131,41 @@ def completion_params(state, req: CompletionRequest) -> tuple[SamplingParams, bo
 
 # ----------------------------------------------------------------------------- prompts
 
-def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
+def _tool_calls_for_template(calls: list, where: str) -> list[dict]:
+    """An assistant message's tool_calls as templates read them: OpenAI's shape, arguments as an object
+    when they are JSON (Llama 3.1 / Qwen templates apply `tojson` to them)."""
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or c.get("type", "function") != "function":
+            raise bad_request("a tool call must be {\"type\": \"function\", \"id\": ..., \"function\": "
+                              "{\"name\": ..., \"arguments\": \"...\"}}", f"{where}.tool_calls[{j}]")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def messages_for_template(messages: list[ChatMessage], native_tools: bool = True) -> list[dict]:
+    """The messages as template dicts. native_tools: the template renders tool calls and tool results
+    itself; otherwise they become text in the Hermes format (server/tools.py)."""
     if not messages:
         raise bad_request("messages must contain at least one message", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if m.role in ("tool", "function"):
-            raise bad_request(f"role '{m.role}' needs tool calling, which is not implemented",
+        if m.role == "function":
+            raise bad_request("role 'function' (the deprecated functions API) is not supported: use 'tool'",
                               f"{where}.role", "unsupported_parameter")
-        if m.tool_calls:
-            raise bad_request("tool calls are not implemented", f"{where}.tool_calls", "unsupported_parameter")
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
+        calls = _tool_calls_for_template(m.tool_calls, where) if m.tool_calls else None
         for f in ("audio", "function_call"):
             if getattr(m, f) is not None:
                 raise bad_request(f"'{f}' in messages is not supported", f"{where}.{f}", "unsupported_parameter")
@@ -159,16 +186,34 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
         d = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if calls and native_tools:
+            d["tool_calls"] = calls
+        elif calls:
+            d["content"] = "\n".join([content] * bool(content) + [tools.call_as_text(c) for c in calls])
+        if m.role == "tool":
+            if native_tools:
+                d["tool_call_id"] = m.tool_call_id
+            else:
+                d["content"] = f"<tool_response>\n{content}\n</tool_response>"
         out.append(d)
     return out
 
 
-def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: bool | None) -> list[int]:
+def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: bool | None,
+                    funcs: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids; funcs: the declared tools (server/tools.check_tools) or None."""
     if state.template is None:
         raise bad_request(f"chat is not available for this model: {state.template_error}", "messages")
-    msgs = messages_for_template(messages)
+    native = tools.uses_tools(state.template.source)
+    msgs = messages_for_template(messages, native)
+    if funcs and not native:  # the template cannot show tools: describe them in the system turn
+        prompt = tools.system_prompt(funcs)
+        if msgs[0]["role"] == "system":
+            msgs[0] = dict(msgs[0], content=f"{msgs[0]['content']}\n\n{prompt}")
+        else:
+            msgs.insert(0, {"role": "system", "content": prompt})
     try:
-        text = state.template.render(msgs, tools=None,
+        text = state.template.render(msgs, tools=tools.template_tools(funcs) if funcs and native else None,
                                      add_generation_prompt=True if add_generation_prompt is None
                                      else add_generation_prompt)
     except Exception as e:  # template errors and roles the template cannot render

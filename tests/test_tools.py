@@ -1,0 +1,132 @@
+"""Tool calling (server/tools.py): request validation, the prompt for templates with and without
+`tools`, and parsing replies in the Hermes/Qwen, Llama 3.x and Mistral formats — streamed or not.
+(End to end through a real server: tests/test_server.py::test_tool_calling_end_to_end.)"""
+
+import json
+
+import pytest
+
+from jaxserve.loader.chat_template import ChatTemplate
+from jaxserve.server import tools
+from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import ChatMessage
+from jaxserve.server.sampling import messages_for_template
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+FUNCS = tools.check_tools([WEATHER], None)
+
+
+def test_check_tools():
+    assert FUNCS == [{"name": "get_weather", "description": "Weather in a city",
+                      "parameters": WEATHER["function"]["parameters"]}]
+    assert tools.check_tools([WEATHER], "none") is None and tools.check_tools(None, None) is None
+    f = tools.check_tools([{"type": "function", "function": {"name": "ping"}}], "auto")
+    assert f[0]["parameters"] == {"type": "object", "properties": {}}
+    bad = [([{"type": "retrieval"}], None, "tools[0]"),
+           ([WEATHER, WEATHER], None, "tools[1].function.name"),
+           ([{"type": "function", "function": {"name": "x", "params": {}}}], None, "tools[0].function"),
+           ([{"type": "function", "function": {"name": "x", "parameters": []}}], None, "tools[0].function.parameters"),
+           ({"type": "function"}, None, "tools"),
+           ([WEATHER], "required", "tool_choice"),
+           ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice"),
+           ([WEATHER], "sometimes", "tool_choice"),
+           (None, "required", "tool_choice")]
+    for t, choice, param in bad:
+        with pytest.raises(APIError) as e:
+            tools.check_tools(t, choice)
+        assert e.value.status == 400 and e.value.param == param, (t, choice, e.value.param)
+
+
+def _args(call):
+    return json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("text,content,args", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None, [{"city": "Paris"}]),
+    ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+     '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>', "Let me look.",
+     [{"city": "Oslo"}, {"city": "Rome"}]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Bern"}}', None, [{"city": "Bern"}]),  # EOS before the tag
+    ('{"name": "get_weather", "parameters": {"city": "Lima"}}', None, [{"city": "Lima"}]),  # Llama 3.x
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Kyiv"}}', None, [{"city": "Kyiv"}]),
+    ('{"name": "get_weather", "parameters": {"city": "A"}}; {"name": "get_weather", "parameters": {"city": "B"}}',
+     None, [{"city": "A"}, {"city": "B"}]),
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}]', None, [{"city": "Nice"}]),  # Mistral
+])
+def test_parse_formats(text, content, args):
+    got_content, calls = tools.parse(text, FUNCS)
+    assert got_content == content
+    assert [_args(c) for c in calls] == args
+    assert all(c["type"] == "function" and c["function"]["name"] == "get_weather" and c["id"].startswith("call_")
+               for c in calls)
+    assert len({c["id"] for c in calls}) == len(calls)
+
+
+@pytest.mark.parametrize("text", [
+    "It is sunny in Paris.",
+    '{"name": "delete_everything", "parameters": {}}',  # not a declared function
+    '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
+    '{"name": "get_weather", "arguments": [1, 2]}',  # arguments not an object
+    '{"answer": 42}',
+])
+def test_non_calls_stay_text(text):
+    assert tools.parse(text, FUNCS) == (text, [])
+
+
+def _stream(pieces):
+    h = tools.StreamHolder()
+    sent = [h.feed(p) for p in pieces]
+    rest, calls = h.finish(FUNCS)
+    return "".join(sent) + rest, sent, calls
+
+
+def test_stream_holder():
+    # plain text streams as it comes (except a possible start of "<tool_call>")
+    text, sent, calls = _stream(["It is ", "sunny <", "b>today</b>"])
+    assert text == "It is sunny <b>today</b>" and not calls and sent[0] == "It is "
+    # text, then a call: the text streams, the markup never does
+    text, sent, calls = _stream(["Checking.", " <tool", '_call>{"name": "get_weather", ',
+                                 '"arguments": {"city": "Oslo"}}</tool_call>'])
+    assert text.strip() == "Checking." and [_args(c) for c in calls] == [{"city": "Oslo"}]
+    # a whole-reply call: nothing streams
+    text, sent, calls = _stream(['{"name": "get_weather",', ' "parameters": {"city": "Lima"}}'])
+    assert text == "" and [_args(c) for c in calls] == [{"city": "Lima"}]
+    # held because it looked like a call, but it was not: all of it comes out at the end
+    text, sent, calls = _stream(['{"answer"', ": 42}"])
+    assert text == '{"answer": 42}' and not calls and sent == ["", ""]
+
+
+HISTORY = [ChatMessage(role="user", content="Weather in Oslo?"),
+           ChatMessage(role="assistant", content=None, tool_calls=[
+               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]),
+           ChatMessage(role="tool", content="12 C, rain", tool_call_id="call_1")]
+
+
+def test_history_for_templates_with_and_without_tools():
+    native = messages_for_template(HISTORY, native_tools=True)
+    assert native[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert native[2] == {"role": "tool", "content": "12 C, rain", "tool_call_id": "call_1"}
+    plain = messages_for_template(HISTORY, native_tools=False)
+    assert "tool_calls" not in plain[1]
+    assert tools.parse(plain[1]["content"], FUNCS)[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert plain[2]["content"] == "<tool_response>\n12 C, rain\n</tool_response>"
+    with pytest.raises(APIError, match="tool_call_id"):
+        messages_for_template([ChatMessage(role="tool", content="x")])
+    with pytest.raises(APIError, match="only assistant"):
+        messages_for_template([ChatMessage(role="user", content="x", tool_calls=[{}])])
+    with pytest.raises(APIError, match="a tool call must be"):
+        messages_for_template([ChatMessage(role="assistant", content="", tool_calls=[{"function": "f"}])])
+
+
+def test_templates_render_tools():
+    """A template with `tools` gets them as OpenAI-shaped objects; the Hermes prompt for the others
+    names every function with its schema."""
+    t = ChatTemplate("{% for t in tools or [] %}[{{ t.function.name }}:{{ t.function.parameters | tojson }}]"
+                     "{% endfor %}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert tools.uses_tools(t.source)
+    text = t.render(messages_for_template(HISTORY[:1]), tools=tools.template_tools(FUNCS))
+    assert text.startswith('[get_weather:{"type": "object"') and text.endswith("<user>Weather in Oslo?")
+    prompt = tools.system_prompt(FUNCS)
+    assert '"name": "get_weather"' in prompt and "<tool_call>" in prompt and '"required": ["city"]' in prompt
