@@ -125,7 +125,8 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x, h = add_norm(x, o, w["ffn_norm"], eps)
     down_split = split_sums and not cfg.sandwich_norms
-    if "gate_up" in w and getattr(qmm, "takes_act", False):
+    native_down = isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
+    if "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
         # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
         m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
     else:
