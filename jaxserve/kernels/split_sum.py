@@ -1,7 +1,9 @@
 """A matmul output left as its split-K partial sums, for the consumer kernel to add.
 
-A decode GEMV split over K (quant_matmul's 'bdot' and int8 kernels) writes f32 partials [P, ..., N]; adding
-them is one more ~1.2 us XLA kernel per matmul (3 per layer on the H200 profile). The consumers that are
+A decode GEMV split over K writes f32 partials [P, ..., N]; adding them is one more ~1.2 us XLA kernel
+per matmul (3 per layer on the H200 profile). Producers: the int8 kernel (quant_matmul/pallas_dp4a.py,
+used by the model), 'bdot' and the dense GEMV (kernels/dense_gemv) when asked (both measured slower in
+the model than without: bench/RESULTS.md). The consumers that are
 kernels themselves — the fused add + RMSNorm and RoPE + K/V write — take a SplitSum and add the parts
 while they load the row. `total()` is the plain output, rounded to the matmul's dtype exactly as the
 matmul would have, so a consumer given a SplitSum computes the same function.

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.kernels.dense_gemv import activation
 from jaxserve.kernels.paged_attention import reference as attn_ref
 from jaxserve.kernels.quant_matmul import cpu_native
 from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
@@ -41,20 +42,14 @@ def linear(x, w, qmm: Callable | None = None, split_out: bool = False):
     if getattr(qmm, "takes_dense", False):  # the runner's decode matmul (kernels/dense_gemv.engine_matmul)
         return qmm(x, w, split_out=split_out)
     if isinstance(w, QWeight):
-        if qmm is None:
-            from jaxserve.kernels import quant_matmul
+        from jaxserve.kernels import quant_matmul
 
-            qmm = quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
-        if split_out and getattr(qmm, "takes_split_out", False):
-            return qmm(x, w, split_out=True)
-        return qmm(x, w)
+        return quant_matmul.apply(x, w, qmm, split_out)
     return x @ w
 
 
 def _act(cfg: ModelConfig, x):
-    if cfg.hidden_act == "gelu_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.silu(x)
+    return activation(cfg.hidden_act, x)
 
 
 def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:

@@ -102,14 +102,10 @@ def system_prompt(funcs: list[dict]) -> str:
 
 
 def call_as_text(call: dict) -> str:
-    """An assistant message's earlier tool call, in the Hermes format (for templates without tools)."""
-    f = call.get("function") or {}
-    args = f.get("arguments")
-    try:
-        args = json.loads(args) if isinstance(args, str) else args
-    except json.JSONDecodeError:
-        pass
-    return f"{HERMES_OPEN}\n{json.dumps({'name': f.get('name'), 'arguments': args}, ensure_ascii=False)}\n{HERMES_CLOSE}"
+    """An assistant message's earlier tool call (as sampling._tool_calls_for_template made it: arguments
+    already an object when they were JSON), in the Hermes format, for templates without tools."""
+    f = call["function"]
+    return f"{HERMES_OPEN}\n{json.dumps({'name': f['name'], 'arguments': f['arguments']}, ensure_ascii=False)}\n{HERMES_CLOSE}"
 
 
 def _call(obj: Any, names: set[str]) -> dict | None:

@@ -27,17 +27,24 @@ def get(name: str):
     return registry.load(__name__, name, "gemv", "dense_gemv")
 
 
-def act_mul(act: str, x):
-    """act(g) * u of x = [g | u] (the model's own jnp function: transformer._act)."""
+def activation(name: str, g):
+    """The gated MLP's activation (ModelConfig.hidden_act) in jnp: the model's function
+    (transformer._act) and this op's fallback; the kernel's f32 formula is reference.act_f32."""
     import jax
+
+    if name == "gelu_tanh":
+        return jax.nn.gelu(g, approximate=True)
+    if name == "silu":
+        return jax.nn.silu(g)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def act_mul(act: str, x):
+    """act(g) * u of x = [g | u]."""
     import jax.numpy as jnp
 
     g, u = jnp.split(x, 2, axis=-1)
-    if act == "gelu_tanh":
-        return jax.nn.gelu(g, approximate=True) * u
-    if act == "silu":
-        return jax.nn.silu(g) * u
-    raise ValueError(f"dense_gemv: unknown activation {act!r}")
+    return activation(act, g) * u
 
 
 def engine_matmul(packed=None, *, max_m: int = ENGINE_MAX_M, **tuning):
@@ -54,19 +61,13 @@ def engine_matmul(packed=None, *, max_m: int = ENGINE_MAX_M, **tuning):
 
 
 def _engine_mm(x, w, *, split_out: bool = False, act: str | None = None, packed=None, max_m: int, tuning):
-    import jax
-
     from jaxserve.kernels.dense_gemv import pallas_triton
     from jaxserve.quant.qweight import QWeight
 
     if isinstance(w, QWeight):
         from jaxserve.kernels import quant_matmul
 
-        q = packed or quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
-        x = act_mul(act, x) if act is not None else x
-        if split_out and getattr(q, "takes_split_out", False):
-            return q(x, w, split_out=True)
-        return q(x, w)
+        return quant_matmul.apply(act_mul(act, x) if act is not None else x, w, packed, split_out)
     M = math.prod(x.shape[:-1])
     if (split_out or act is not None) and M <= max_m and pallas_triton.supports(x, w, act):
         return pallas_triton.gemv(x, w, act=act, split_out=split_out, **dict(tuning))

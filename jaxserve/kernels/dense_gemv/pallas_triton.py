@@ -15,6 +15,7 @@ that fills the GPU through K instead of N moves the cost into the consumer.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,7 @@ def supports(x, w, act=None) -> bool:
         return False
     K, N = w.shape
     xk = x.shape[-1] // 2 if act is not None else x.shape[-1]
-    M = 1
-    for d in x.shape[:-1]:
-        M *= d
+    M = math.prod(x.shape[:-1])
     return (xk == K and M <= MAX_M and _largest_pow2_divisor(K, 16) == 16
             and _largest_pow2_divisor(N, 16) == 16)
 

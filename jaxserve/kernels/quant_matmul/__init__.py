@@ -6,7 +6,8 @@
                  Its mode 'gemv' (pallas_gemv.py) is the decode GEMV for M <= 16.
 
 `get(name)` returns the implementation's `qmatmul(x, qw, *, layer=None, **tunables)`; kernels are
-imported lazily so importing this package stays light.
+imported lazily so importing this package stays light. `apply(x, qw, qmm, split_out)` calls a given or
+the platform's one.
 """
 
 from __future__ import annotations
@@ -17,3 +18,15 @@ from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
 
 def get(name: str):
     return registry.load(__name__, name, "qmatmul", "quant matmul")
+
+
+def apply(x, qw, qmm=None, split_out: bool = False):
+    """x @ qw with `qmm` (None: this platform's default); split_out: the caller's consumer takes a
+    SplitSum (kernels/split_sum.py), so a qmm that `takes_split_out` is asked for one."""
+    if qmm is None:
+        import jax
+
+        qmm = get(default_for(jax.devices()[0].platform))
+    if split_out and getattr(qmm, "takes_split_out", False):
+        return qmm(x, qw, split_out=True)
+    return qmm(x, qw)

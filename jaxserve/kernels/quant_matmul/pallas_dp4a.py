@@ -361,12 +361,10 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     if qk is not None and max_m < M <= imma_max_m:
         from jaxserve.kernels.quant_matmul import pallas_imma
 
-        if pallas_imma.supports(qw.meta, M) and qw.meta.N % 64 == 0:
+        ibn = imma_kw.get("block_n", pallas_imma.qmatmul.__kwdefaults__["block_n"])
+        if pallas_imma.supports(qw.meta, M) and qw.meta.N % ibn == 0:
             return pallas_imma.qmatmul(x, qw, qk, **imma_kw)
-    default = quant_matmul.get(quant_matmul.default_for(jax.devices()[0].platform))
-    if split_out and getattr(default, "takes_split_out", False):
-        return default(x, qw, split_out=True)
-    return default(x, qw)
+    return quant_matmul.apply(x, qw, None, split_out)
 
 
 engine_qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum
