@@ -182,6 +182,9 @@ def main(argv=None):
     ap.add_argument("--dense-gemv", default="off",
                     help="semicolon list of variants: off, on, or on:KEY=V,... (the engine's dense_gemv option "
                          "with kernels/dense_gemv/pallas_triton.TUNING keys, e.g. 'off;on;on:block_n=32,max_splits=4')")
+    ap.add_argument("--fp8-kernel", default="",
+                    help="semicolon list of keyword sets (K=V,...) of kernels/quant_matmul/pallas_fp8.qmatmul for "
+                         "--quant fp8, e.g. 'per_sm=2;per_sm=4,num_stages=2' (empty: its defaults)")
     ap.add_argument("--attn-decode", default=None,
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
@@ -256,13 +259,22 @@ def main(argv=None):
             dgemvs.append({k: int(x) if x.isdigit() else x for k, x in kw.items()})
         else:
             raise SystemExit(f"--dense-gemv: variant {v!r} is not off, on or on:KEY=V,...")
-    variants = [("none", spec, f, d) for f in sorted(set(fuses)) for spec in args.attention.split(",")
+    variants = [("none", spec, f, d, None) for f in sorted(set(fuses)) for spec in args.attention.split(",")
                 for d in dgemvs if "none" in quants]
-    variants += [(q, spec, True, d) for q in quants if q != "none" for spec in args.attention.split(",")
-                 for d in dgemvs]
+    fp8s = [{k: int(x) for k, x in (kv.split("=") for kv in v.split(",") if kv)} or None
+            for v in args.fp8_kernel.split(";")]
+    variants += [(q, spec, True, d, f8) for q in quants if q != "none" for spec in args.attention.split(",")
+                 for d in dgemvs for f8 in (fp8s if q == "fp8" else [None])]
     fused = False
-    for quant, spec, fuse, dgemv in variants:
+    base_qmatmul = qmatmul
+    for quant, spec, fuse, dgemv, f8kw in variants:
         label, fn = parse_impl(spec)
+        qmatmul = base_qmatmul
+        if f8kw:  # FP8 kernel tuning (kernels/quant_matmul/pallas_fp8.qmatmul's keywords)
+            from jaxserve.kernels.quant_matmul import pallas_triton as qpt
+
+            qmatmul = functools.partial(base_qmatmul or qpt.qmatmul, fp8=f8kw)
+            label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
         label += (" fused" if fuse else "") + (f" rope_kv={args.fused_rope_kv}" if args.fused_rope_kv != "auto" else "")
         if dgemv is not None:
             label += " dgemv" + "".join(f",{k}={v}" for k, v in sorted(dgemv.items()))

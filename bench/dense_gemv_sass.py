@@ -8,8 +8,6 @@ registers and main-loop instructions per weight (bench/quant_sass.py's machinery
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import re
 import sys
@@ -20,36 +18,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.quant_sass import compile_sm90, loop_stats  # noqa: E402
+from bench.quant_sass import capture_triton, compile_sm90, loop_stats  # noqa: E402
 from jaxserve.kernels.dense_gemv import pallas_triton as dpt  # noqa: E402
 
 
 def capture(K, N, M, act, kw):
-    from jax._src.pallas.triton import lowering as L
-    from jax._src.pallas.triton import pallas_call_registration as R
-
-    got, params = [], []
-    orig, orig_cp = L.lower_jaxpr_to_triton_module, dpt._compiler_params
-
-    def cap(*a, **k):
-        r = orig(*a, **k)
-        got.append(r.module.operation.get_asm(enable_debug_info=False))
-        return r
-
-    def cp(w, s):
-        params.append((w, s))
-        return orig_cp(w, s)
-
-    R.lowering.lower_jaxpr_to_triton_module, dpt._compiler_params = cap, cp
-    try:
-        x = jnp.zeros((M, 2 * K if act else K), jnp.bfloat16)
-        w = jnp.zeros((K, N), jnp.bfloat16)
-        with contextlib.redirect_stdout(io.StringIO()):
-            jax.jit(lambda x, w: dpt.gemv(x, w, act=act, split_out=True, interpret=False, **kw)).trace(
-                x, w).lower(lowering_platforms=("cuda",))
-    finally:
-        R.lowering.lower_jaxpr_to_triton_module, dpt._compiler_params = orig, orig_cp
-    return got[-1], params[-1]
+    x = jnp.zeros((M, 2 * K if act else K), jnp.bfloat16)
+    w = jnp.zeros((K, N), jnp.bfloat16)
+    return capture_triton(lambda: jax.jit(lambda x, w: dpt.gemv(x, w, act=act, split_out=True, interpret=False, **kw))
+                          .trace(x, w).lower(lowering_platforms=("cuda",)), dpt)
 
 
 def main():

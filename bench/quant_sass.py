@@ -94,6 +94,33 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
     return got[-1], params[-1][0], params[-1][1], plan, qw.meta
 
 
+def capture_triton(lower, params_module):
+    """(Triton IR text, (num_warps, num_stages)) of the last Pallas kernel that `lower()` lowers; the
+    compiler parameters are read by wrapping `params_module._compiler_params` (the kernel's own)."""
+    from jax._src.pallas.triton import lowering as L
+    from jax._src.pallas.triton import pallas_call_registration as R
+
+    got, params = [], []
+    orig, orig_cp = L.lower_jaxpr_to_triton_module, params_module._compiler_params
+
+    def cap(*a, **k):
+        r = orig(*a, **k)
+        got.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+
+    def cp(w, s):
+        params.append((w, s))
+        return orig_cp(w, s)
+
+    R.lowering.lower_jaxpr_to_triton_module, params_module._compiler_params = cap, cp
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            lower()
+    finally:
+        R.lowering.lower_jaxpr_to_triton_module, params_module._compiler_params = orig, orig_cp
+    return got[-1], params[-1]
+
+
 def compile_sm90(ttir: str, warps: int, stages: int, workdir: str):
     sys.path.insert(0, TRITON_DIR)
     import triton

@@ -390,3 +390,53 @@ def test_code_copy_wiring():
                 _check(out[k], _oracle(x, w), rtol=2e-2 if rounded else 2e-5)
                 if rounded:
                     _check(out[k], np.asarray(dp.reference(x, w), np.float64))
+
+@pytest.mark.parametrize("M,dtype,tun", [
+    (1, jnp.bfloat16, {}),  # decode: one row, K split 3 ways (3 groups of 128 each)
+    (2, jnp.bfloat16, dict(unroll=3, splits=1)),  # all 3 groups in one loop step
+    (3, jnp.float32, dict(block_n=32, splits=2)),  # f32 x rounded to f16; N in 3 tiles
+    (17, jnp.bfloat16, dict(splits=1)),  # rows padded to 32, one K split: the kernel writes x's dtype
+    (70, jnp.bfloat16, dict(block_m=32)),  # a prompt: 3 row tiles, the last one partial
+], ids=str)
+def test_fp8_kernel(M, dtype, tun):
+    """The FP8 tensor-core kernel (pallas_fp8.py) computes x @ dequantize(W) exactly for bf16 x (x scaled
+    by powers of two into f16, e4m3 codes converted exactly, f32 accumulation), over either code layout
+    (q0 [K, N], or the [N, K] copy `to_kn` makes on the GPU), for a stacked weight's layer, and hands
+    split-K partials to a consumer when asked; pallas_triton.qmatmul routes a to_kn weight to it."""
+    from jaxserve.kernels.quant_matmul import pallas_fp8 as f8
+    from jaxserve.quant.qweight import KN_CODES
+
+    from jaxserve.quant.qweight import QWeight
+
+    one = _float_code_weight("fp8", K=384, N=96)
+    other = QWeight(one.meta, dict(one.arrays, q0=one.arrays["q0"][::-1].copy(), scale=one.arrays["scale"] * 3))
+    qw = jax.device_put(stack([one, other]))
+    x = np.random.default_rng(M).standard_normal((M, 384)).astype(np.float32)
+    x[0, :4] *= 3e4  # beyond f16's range unless scaled
+    x[-1, 200:210] *= 1e-5  # tiny values next to ordinary ones in one 128-wide piece
+    x = jnp.asarray(x, dtype)
+    want = _oracle(np.asarray(x, np.float32), qw, 1)
+    rtol = 4e-3 if dtype == jnp.bfloat16 else 1e-3  # bf16 output rounding / f32 x rounded to f16
+    kn = f8.to_kn({"w": qw})["w"]
+    assert "q0" not in kn.arrays and kn.arrays[KN_CODES].shape == (2, 96, 384)
+    np.testing.assert_array_equal(np.asarray(dequantize(kn)), np.asarray(dequantize(qw)))
+    for w in (qw, kn):
+        _check(f8.qmatmul(x, w, layer=1, interpret=INTERPRET, **tun), want, rtol=rtol)
+    _check(pt.qmatmul(x, kn, layer=1, interpret=INTERPRET), want, rtol=rtol)
+    ys = f8.qmatmul(x, kn, layer=1, splits=3, split_out=True, interpret=INTERPRET)
+    assert ys.parts.shape == (3, M, 96)
+    _check(ys.total(), want, rtol=rtol)
+    assert f8.supports(one.meta, 1) and not f8.supports(_float_code_weight("mxfp4").meta, 1)
+    assert f8.plan(96, 384, 128, None, 2, unroll=2)[-1] == 1  # 3 groups: no 2-group steps
+
+
+def test_fp8_kn_prompt_rows_take_xla():
+    """Prompt steps (M >= xla_min_m) of a to_kn FP8 weight: one dequantized copy and XLA's GEMM, the
+    same function."""
+    from jaxserve.kernels.quant_matmul import pallas_fp8 as f8
+
+    kn = f8.to_kn({"w": jax.device_put(_float_code_weight("fp8", K=256, N=64))})["w"]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 256)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        y = pt.qmatmul(x, kn, xla_min_m=8, interpret=INTERPRET)
+    _check(y, _oracle(x, kn), rtol=1e-5)

@@ -144,6 +144,12 @@ class ModelRunner:
             self.weights = weights = tf.fuse_projections(weights)
         if ecfg.int8_activations:
             self.weights = weights = self._int8_activations(weights, platform)
+        if platform == "gpu" and mesh is None:
+            # FP8 block-wise codes held [N, K] for the FP8 tensor-core kernel (pallas_fp8.to_kn; after the
+            # fusion: a fused weight is transposed whole); same memory, same function.
+            from jaxserve.kernels.quant_matmul import pallas_fp8
+
+            self.weights = weights = pallas_fp8.to_kn(weights)
         if ecfg.dense_gemv:
             if mesh is not None:
                 raise ValueError("dense_gemv needs a single device (no mesh)")

@@ -54,6 +54,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# One 8-bit code plane may be held transposed, [..., N, Kp] (uint8), under this name instead of 'q0': the
+# layout of FP8 checkpoints, which kernels/quant_matmul/pallas_fp8.py reads on the GPU (the runner's
+# choice there); dequantize/codes read either.
+KN_CODES = "q0_nk"
 OFFSET_KINDS = ("none", "direct", "min", "nib", "zero")
 CODE_KINDS = {"int": None, "e4m3": (4, 3, 7), "e2m1": (2, 1, 1)}  # float codes: (exp bits, mantissa bits, bias)
 SCALE_KINDS = ("float", "e8m0", "e4m3")
@@ -153,7 +157,7 @@ class QWeight:
     # -- info
     @property
     def batch_shape(self) -> tuple[int, ...]:
-        return tuple(self.arrays["q0"].shape[:-2])
+        return tuple(self.arrays["q0" if "q0" in self.arrays else KN_CODES].shape[:-2])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -304,6 +308,8 @@ def codes(qw: QWeight, xp=jnp, dtype=jnp.int32):
     """All codes [..., Kp, N] as `dtype`; xp=np computes them on the host (no per-shape compiles, e.g.
     when a loader converts layouts)."""
     m = qw.meta
+    if "q0" not in qw.arrays:  # 8-bit codes held transposed (KN_CODES)
+        return xp.swapaxes(xp.asarray(qw.arrays[KN_CODES]), -1, -2).astype(dtype)
     code, shift = None, 0
     for i, b in enumerate(m.bits):
         v = _unpack_plane(xp.asarray(qw.arrays[f"q{i}"]), b, m.slab, m.Kp, xp).astype(dtype)

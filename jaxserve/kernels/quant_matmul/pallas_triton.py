@@ -41,6 +41,7 @@ the dot; N not a multiple of block_n reads clamped columns (the extra outputs ar
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -50,7 +51,7 @@ from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul import pallas_bdot, pallas_gemv
 from jaxserve.kernels.split_sum import SplitSum
-from jaxserve.quant.qweight import QMeta, QWeight, decode_scale, dequantize, leaf_names, minifloat
+from jaxserve.quant.qweight import KN_CODES, QMeta, QWeight, decode_scale, dequantize, leaf_names, minifloat
 
 NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 # The kernel for M <= DECODE_MAX_M rows (decode) when 'bdot' does not apply ('gemv' measured slower
@@ -261,7 +262,8 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=None, splits=None,
             mode=None, num_warps=None, num_stages=None, interpret=None, xla_min_m: int = 512, reduce=None,
-            rows=None, prefetch=None, decode_mode=None, decode_max_m=None, split_out: bool = False):
+            rows=None, prefetch=None, decode_mode=None, decode_max_m=None, split_out: bool = False,
+            fp8: dict | None = None):
     """x [..., K] @ W [K, N] -> [..., N] in x's dtype. See the module docstring.
 
     split_out: the caller's consumer adds split-K partials itself (kernels/split_sum.py): a 'bdot'
@@ -271,6 +273,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     kernel indexes the stacked leaves itself, so no per-layer copy of the weights is made.
     interpret: None = on CPU only. decode_mode / decode_max_m: the kernel for M <= decode_max_m rows
     when mode is None (default: 'bdot' where it applies, else DECODE_MODE, for M <= DECODE_MAX_M).
+    fp8: keyword arguments of pallas_fp8.qmatmul for weights it takes (benchmarks' tuning).
     """
     meta = qw.meta
     if interpret is None:
@@ -278,6 +281,13 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     *lead, K = x.shape
     if K != meta.K:
         raise ValueError(f"x has K={K}, the weight {meta.K}")
+    if KN_CODES in qw.arrays:  # FP8 codes held [N, K] (pallas_fp8.to_kn): that kernel below xla_min_m rows
+        from jaxserve.kernels.quant_matmul import pallas_fp8
+
+        if math.prod(lead) < xla_min_m or mode == "fp8":
+            return pallas_fp8.qmatmul(x, qw, layer=layer, interpret=interpret, split_out=split_out, **(fp8 or {}))
+        w = dequantize(qw if layer is None else jax.tree.map(lambda a: a[layer], qw))
+        return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     names = leaf_names(meta)
     leaves = [jnp.asarray(qw.arrays[n]) for n in names]
     gscale = None

@@ -1,0 +1,91 @@
+"""FP8 block-wise matmuls on the GPU (kernels/quant_matmul/pallas_fp8.py): check each path against the
+dequantized f32 oracle, then time it per Llama-3.1-8B-shaped matmul next to the exact float-code kernel
+it replaces ('bdot'/'dot' over q0), the XLA dequantize + GEMM, and XLA's bf16 GEMV/GEMM of the same
+shape. Device time from a profiler trace; 8 distinct weights per call so that L2 holds none of them.
+
+    python3 bench/fp8_gpu.py [--shapes qkv,o,down,gate_up] [--M 1,32,2048] [--variant block_n=64 ...] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.profiling import kernel_table  # noqa: E402
+from bench.random_model import random_qweight  # noqa: E402
+from jaxserve.kernels.quant_matmul import pallas_fp8 as f8  # noqa: E402
+from jaxserve.kernels.quant_matmul import pallas_triton as pt  # noqa: E402
+from jaxserve.kernels.split_sum import SplitSum  # noqa: E402
+from jaxserve.quant.qweight import dequantize  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
+VARIANTS = ["block_n=64", "per_sm=1", "per_sm=4", "num_stages=4", "block_n=256,num_warps=8"]
+
+
+def parse(v):
+    return {k: int(x) for k, x in (i.split("=") for i in filter(None, v.split(",")))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qkv,o,down,gate_up")
+    ap.add_argument("--M", default="1,32,2048")
+    ap.add_argument("--variant", action="append", default=None)
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--small", action="store_true", help="tiny shapes, the interpreter (checks the script on CPU)")
+    args = ap.parse_args()
+    interpret = args.small
+    variants = args.variant if args.variant is not None else VARIANTS
+    print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    print("| shape | M | impl | check (rel err) | us per call | TB/s of codes | TFLOP/s |\n|---|---|---|---|---|---|---|",
+          flush=True)
+    for sname in args.shapes.split(","):
+        K, N = SHAPES[sname]
+        if args.small:
+            K, N = K // 16, N // 32
+        key = jax.random.PRNGKey(K + N)
+        qs = [random_qweight(K, N, "fp8", jax.random.fold_in(key, i)) for i in range(args.copies)]
+        kns = [f8.to_kn({"w": q})["w"] for q in qs]
+        dense = [dequantize(q).astype(jnp.bfloat16) for q in qs]
+        for M in (int(m) for m in args.M.split(",")):
+            x = jax.random.normal(jax.random.fold_in(key, M), (M, K), jnp.bfloat16)
+            with jax.default_matmul_precision("highest"):
+                want = np.asarray(x.astype(jnp.float32) @ dequantize(qs[0]))
+            impls = [("xla bf16 weights", dense, lambda x, w: x @ w),
+                     ("fp8 [N,K] (engine)", kns, functools.partial(f8.qmatmul, interpret=interpret)),
+                     ("fp8 q0 (transposed in kernel)", qs, functools.partial(f8.qmatmul, interpret=interpret))]
+            impls += [(f"fp8 [N,K] {v}", kns, functools.partial(f8.qmatmul, interpret=interpret, **parse(v)))
+                      for v in (variants if M <= 64 else ["block_m=64", "block_m=128,num_warps=8"])]
+            if M <= 64:
+                impls.append(("exact float-code kernel (q0)", qs, functools.partial(pt.qmatmul, interpret=interpret)))
+            else:
+                impls.append(("xla dequantize + GEMM", kns, lambda x, w: jnp.dot(
+                    x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)))
+            for label, ws, f in impls:
+                try:
+                    got = np.asarray(jax.jit(f)(x, ws[0]), np.float32)
+                    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                    keep = lambda y: y.parts if isinstance(y, SplitSum) else y  # noqa: E731
+                    run = jax.jit(lambda x, ws, f=f: [keep(f(x, w)) for w in ws])
+                    lines = kernel_table(lambda: run(x, ws), calls=3)
+                    ns = sum(v[1] for v in lines.get("kernels", {}).values()) / (3 * len(ws))
+                    us = ns / 1e3
+                    tbs = K * N / (ns * 1e-9) / 1e12 if ns else float("nan")
+                    tf = 2 * M * K * N / (ns * 1e-9) / 1e12 if ns else float("nan")
+                    ok = "OK" if err < 1e-2 else "BAD"
+                    print(f"| {sname} {K}x{N} | {M} | {label} | {err:.1e} {ok} | {us:.1f} | {tbs:.2f} | {tf:.0f} |",
+                          flush=True)
+                except Exception as e:  # report and go on
+                    print(f"| {sname} | {M} | {label} | FAILED {type(e).__name__}: {str(e)[:300]} | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

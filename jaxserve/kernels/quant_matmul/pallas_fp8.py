@@ -1,0 +1,157 @@
+"""Decode matmul of FP8 (e4m3) block-wise weights on the tensor cores, exact (experiment until its GPU
+run is recorded in bench/RESULTS.md).
+
+The exact float-code kernels ('bdot'/'fma') turn every e4m3 code into an f32 with bit arithmetic and
+multiply-add it: ~150 tok/s for Llama-8B on the H200, instruction-bound. Here a tile of codes becomes
+f16 with the hardware conversion (e4m3 -> f16 is exact: f16 has more exponent and mantissa bits) and
+goes into one f16 x f16 -> f32 tensor-core dot per 128 rows of K, the group's scale applied to the
+dot's result. The weights are the dot's *first* operand (y^T = W^T x^T, "swap AB"): a tile of 64-128
+columns fills the instruction's M side, and the few rows of x (padded to 16) its N side.
+
+x is turned into f16 exactly: each 128-wide piece of a row is scaled by a power of two that puts its
+largest |value| in [2^14, 2^15) before the conversion and the dot's result is scaled back, so bf16 x
+loses nothing (values more than 2^29 below the piece's largest go to f16 subnormals: they stay below
+the f32 sum's own rounding); f32 x is rounded to f16's 11 bits.
+
+Scope: code 'e4m3', float scale, one scale per (128 rows, column) (FP8 block-wise checkpoints), K a
+multiple of 128 (no padding), x rows <= MAX_M.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxserve.kernels.split_sum import SplitSum, add_parts
+from jaxserve.quant.qweight import KN_CODES, QMeta, QWeight
+
+MAX_M = 64
+NUM_SMS = 132
+GROUP = 128
+
+
+def supports(meta: QMeta, M: int) -> bool:
+    return (meta.code == "e4m3" and meta.scale_kind == "float" and meta.group == GROUP and not meta.gscale
+            and meta.offset == "none" and meta.Kp == meta.K)
+
+
+def _pow2_scales(a):
+    """For |x| maxima a [R] (f32): (f, inv) powers of two with a * f in [2^14, 2^15) and inv = 1 / f
+    (built from exponent bits: exact, no log/exp)."""
+    eb = jnp.clip((lax.bitcast_convert_type(a, jnp.int32) >> 23) & 255, 15, 254)
+    f = lax.bitcast_convert_type((268 - eb) << 23, jnp.float32)  # 2^(141 - eb)
+    inv = lax.bitcast_convert_type((eb - 14) << 23, jnp.float32)  # 2^(eb - 141)
+    return f, inv
+
+
+def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk, u):
+    from jaxserve.kernels.paged_attention.pallas_triton import _dot
+
+    jn, ks = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    n0 = jn * bn
+    r = pl.program_id(2) * Mp + jnp.arange(Mp)  # this program's rows of x (a tile of Mp)
+    real = r < M
+    rows = jnp.minimum(r, M - 1)
+    f32 = jnp.float32
+
+    def group(g, acc):  # the 128 rows of K of group g
+        k0 = g * GROUP
+        xt = x_ref[rows[:, None], (k0 + jnp.arange(GROUP))[None, :]].astype(f32)  # [Mp, 128]
+        xt = jnp.where(real[:, None], xt, 0.0)
+        f, inv = _pow2_scales(jnp.max(jnp.abs(xt), axis=1))
+        xh = (xt * f[:, None]).astype(jnp.float16)
+        if nk:  # the [N, K] copy: a [bn, 128] tile is already the dot's row-major first operand
+            w = lax.bitcast_convert_type(q_ref[layer, pl.ds(n0, bn), pl.ds(k0, GROUP)], jnp.float8_e4m3fn)
+            w = w.astype(jnp.float16)
+        else:
+            codes = q_ref[layer, pl.ds(k0, GROUP), pl.ds(n0, bn)]  # [128, bn] uint8
+            w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).T
+        part = _dot(w, xh.T)  # [bn, Mp] f32: the weights on the dot's wide side
+        s = s_ref[layer, g, pl.ds(n0, bn)]  # [bn] this group's scale per column
+        return acc + part * s[:, None] * inv[None, :]
+
+    def body(i, acc):  # u groups per iteration (fewer loop overheads, more loads in flight)
+        for j in range(u):
+            acc = group(i * u + j, acc)
+        return acc
+
+    b0 = ks * per
+    acc = lax.fori_loop(b0, jnp.minimum(b0 + per, nsteps), body, jnp.zeros((bn, Mp), f32))
+    out = acc.T  # [Mp, bn]
+    from jaxserve.kernels.paged_attention.pallas_triton import _triton
+
+    cols = n0 + jnp.arange(bn)
+    # rows past M: masked, at their own (out-of-range) addresses, never a duplicate of a real row
+    _triton().store(o_ref.at[ks, r[:, None], cols[None, :]], out.astype(o_ref.dtype),
+                    mask=jnp.broadcast_to(real[:, None], (Mp, bn)))
+
+
+def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: int = 1, unroll: int = 1):
+    """(bn, column tiles, K splits, steps per split, total steps, groups per step)."""
+    bn = math.gcd(N, block_n)
+    u = math.gcd(K // GROUP, unroll)
+    tiles, nsteps = N // bn, K // (GROUP * u)
+    if splits is None:
+        splits = max(1, min(nsteps, -(-per_sm * NUM_SMS // (tiles * mtiles))))
+    per = -(-nsteps // splits)
+    return bn, tiles, -(-nsteps // per), per, nsteps, u
+
+
+def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None, per_sm=2, unroll=1, num_warps=4,
+            num_stages=3, split_out=False, interpret=None):
+    """x [..., K] @ W [K, N] for e4m3 block-wise W (exact up to f32 accumulation order). split_out: with
+    more than one K split, return the partials as a SplitSum for the consumer to add."""
+    meta = qw.meta
+    if interpret is None:
+        interpret = jax.devices()[0].platform == "cpu"
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    if not supports(meta, M):
+        raise ValueError(f"fp8 kernel: unsupported {meta.fmt} code={meta.code} group={meta.group} "
+                         f"K={meta.K} Kp={meta.Kp} M={M}")
+    nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
+    q, s = jnp.asarray(qw.arrays[KN_CODES if nk else "q0"]), jnp.asarray(qw.arrays["scale"])
+    if not qw.batch_shape:
+        q, s, layer = q[None], s[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    Mp = max(16, 1 << (M - 1).bit_length())
+    Mp = min(block_m, Mp)
+    mtiles = -(-M // Mp)
+    bn, tiles, splits, per, nsteps, u = plan(meta.N, meta.K, block_n, splits, per_sm, mtiles, unroll)
+    kernel = functools.partial(_kernel, M=M, Mp=Mp, bn=bn, per=per, nsteps=nsteps, nk=nk, u=u)
+    cp = None
+    if not interpret:
+        from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params
+
+        cp = _compiler_params(num_warps, num_stages)
+    odt = x.dtype if splits == 1 else jnp.float32
+    full = pl.BlockSpec()
+    out = pl.pallas_call(kernel, grid=(tiles, splits, mtiles), in_specs=[full] * 4, out_specs=full,
+                         out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
+                         compiler_params=cp, name=f"qfp8_m{Mp}_n{bn}_s{splits}")(layer, x2, q, s)
+    if splits == 1:
+        return out[0].reshape(*x.shape[:-1], meta.N)
+    if split_out:
+        return SplitSum(out.reshape(splits, *x.shape[:-1], meta.N), x.dtype)
+    return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
+
+
+def to_kn(weights):
+    """The weights with every QWeight this kernel takes holding its codes transposed ([N, K], KN_CODES)
+    instead of 'q0': the [128, bn] tile the kernel loads is then the dot's operand as it is (with q0
+    the kernel transposes bytes in registers: 7 instructions per weight instead of 2.8, offline SASS).
+    Same memory; the runner does this on one GPU, and every quantized matmul of such a weight then
+    takes this kernel (pallas_triton.qmatmul routes it)."""
+    def one(w):
+        if isinstance(w, QWeight) and "q0" in w.arrays and supports(w.meta, 1):
+            arrays = {k: v for k, v in w.arrays.items() if k != "q0"}
+            arrays[KN_CODES] = jax.jit(lambda q: jnp.swapaxes(q, -1, -2))(w.arrays["q0"])
+            return QWeight(w.meta, arrays)
+        return w
+    return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
