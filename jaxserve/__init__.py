@@ -1,5 +1,9 @@
 """jaxserve: a JAX/XLA compiled LLM inference runtime with an OpenAI-compatible server."""
 
+from jaxserve import xla_flags
+
+xla_flags.apply()  # before JAX starts its backend: measured XLA flags (xla_flags.py)
+
 from jaxserve.engine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"

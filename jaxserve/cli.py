@@ -98,6 +98,8 @@ def engine_config_from_args(args):
             kw[k] = v
     if "prefill_chunk_size" not in kw:
         kw["prefill_chunk_size"] = 8192 if gpu else 256
+    if gpu:  # steps under 128 tokens cost what a 128-token step costs there: no programs of their own
+        kw["min_token_bucket"] = 128
     if args.disable_prefix_cache:
         kw["enable_prefix_cache"] = False
     if getattr(args, "program_store", "auto") != "auto":

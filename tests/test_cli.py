@@ -65,3 +65,19 @@ def test_engine_flags_map_to_the_engine_config():
 
     with pytest.raises(ConfigError, match="int8_activations needs packed weights"):
         parse("--int8-activations", "--packed", "off")
+
+
+def test_token_buckets_start_at_min_token_bucket():
+    """The smallest default token bucket is EngineConfig.min_token_bucket (the CLI sets 128 on a GPU:
+    there a 16-token step costs what a 128-token one does); explicit buckets are kept as given."""
+    from jaxserve.cli import build_parser, engine_config_from_args
+    from jaxserve.config import ConfigError, EngineConfig
+
+    assert EngineConfig(prefill_chunk_size=1024).token_buckets == (16, 32, 64, 128, 256, 512, 1024)
+    assert EngineConfig(prefill_chunk_size=1024, min_token_bucket=128).token_buckets == (128, 256, 512, 1024)
+    assert EngineConfig(prefill_chunk_size=100, min_token_bucket=128).token_buckets == (100,)
+    assert EngineConfig(min_token_bucket=128, token_buckets=(8, 256)).token_buckets == (8, 256)
+    with pytest.raises(ConfigError, match="min_token_bucket"):
+        EngineConfig(min_token_bucket=0)
+    cfg = engine_config_from_args(build_parser().parse_args(["run"]))  # this machine: a CPU
+    assert cfg.min_token_bucket == 16 and cfg.token_buckets[0] == 16
