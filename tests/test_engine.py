@@ -179,3 +179,22 @@ def test_async_scheduling_gives_the_same_outputs(llm):
         eng.ecfg = eng.ecfg.replace(async_scheduling=True)
     assert got == want
     assert want[2][2] == "stop" and len(want[2][0]) <= 10
+
+
+def test_prompt_logprobs_with_a_one_step_decode_scheduled_ahead(llm):
+    """A request with prompt_logprobs whose last decode dispatch, scheduled ahead, is one step long (6
+    tokens: 1 from the prompt step, 4 in a multi-step decode, 1 ahead) stays on the decode program: it
+    once went to the prompt (mixed) program, which cannot take a token the host has not read, and the
+    engine died. Same outputs with async scheduling off."""
+    eng = llm.engine
+    sp = _greedy(6, prompt_logprobs=1)
+    n0 = eng.num_ahead_steps
+    got = llm.generate(PROMPTS[1], sp)[0]
+    assert eng.num_ahead_steps > n0
+    eng.ecfg = eng.ecfg.replace(async_scheduling=False)
+    try:
+        want = llm.generate(PROMPTS[1], sp)[0]
+    finally:
+        eng.ecfg = eng.ecfg.replace(async_scheduling=True)
+    assert len(got.outputs[0].token_ids) == 6 and got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.prompt_logprobs == want.prompt_logprobs and len(got.prompt_logprobs) == len(got.prompt_token_ids)

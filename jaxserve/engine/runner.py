@@ -368,7 +368,10 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> tuple[tuple, dict, list[int]]:
         items = sched.scheduled
         n = len(items)
-        want_plp = any(s.seq.params.prompt_logprobs is not None for s in items)
+        # Prompt log-probs come from steps that still read prompt positions; decode items never need them
+        # (a step scheduled ahead, whose tokens the host has not read, must stay on the decode program).
+        want_plp = any(s.seq.params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens
+                       for s in items)
         Q = self.ecfg.attn_tile
         if sched.decode_steps > 1 or (self._is_decode(sched) and not want_plp):
             key = ("decode", self._bucket(self.ecfg.seq_buckets, n))
