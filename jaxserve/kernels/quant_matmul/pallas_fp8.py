@@ -1,8 +1,9 @@
-"""Decode matmul of FP8 (e4m3) block-wise weights on the tensor cores, exact (experiment until its GPU
-run is recorded in bench/RESULTS.md).
+"""Matmul of FP8 (e4m3) block-wise weights on the tensor cores, exact: the GPU path of FP8 weights below
+512 rows (pallas_triton.qmatmul routes weights holding KN_CODES here).
 
 The exact float-code kernels ('bdot'/'fma') turn every e4m3 code into an f32 with bit arithmetic and
-multiply-add it: ~150 tok/s for Llama-8B on the H200, instruction-bound. Here a tile of codes becomes
+multiply-add it: 154 tok/s for Llama-8B on the H200, instruction-bound; this kernel 212-217 (bench/
+RESULTS.md, session 7: each group's dot still waits for its scale before the next group's starts). Here a tile of codes becomes
 f16 with the hardware conversion (e4m3 -> f16 is exact: f16 has more exponent and mantissa bits) and
 goes into one f16 x f16 -> f32 tensor-core dot per 128 rows of K, the group's scale applied to the
 dot's result. The weights are the dot's *first* operand (y^T = W^T x^T, "swap AB"): a tile of 64-128
@@ -14,7 +15,7 @@ loses nothing (values more than 2^29 below the piece's largest go to f16 subnorm
 the f32 sum's own rounding); f32 x is rounded to f16's 11 bits.
 
 Scope: code 'e4m3', float scale, one scale per (128 rows, column) (FP8 block-wise checkpoints), K a
-multiple of 128 (no padding), x rows <= MAX_M.
+multiple of 128 (no padding); any number of rows (tiles of block_m), fastest for decode.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from jax.experimental import pallas as pl
 from jaxserve.kernels.split_sum import SplitSum, add_parts
 from jaxserve.quant.qweight import KN_CODES, QMeta, QWeight
 
-MAX_M = 64
 NUM_SMS = 132
 GROUP = 128
 
