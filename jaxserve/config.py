@@ -201,7 +201,7 @@ class EngineConfig:
     scan_layers: bool | None = None  # None: scan on CPU (fast compiles), unroll on GPU (fast steps)
     token_buckets: tuple[int, ...] = ()
     seq_buckets: tuple[int, ...] = ()
-    # Smallest default token bucket. `jaxserve run` uses 128 on a GPU: a step of 16-64 tokens padded to 128
+    # Smallest default token bucket. The CLI uses 128 on a GPU: a step of 16-64 tokens padded to 128
     # reads the same weights in about the same time there, and three fewer programs start faster.
     min_token_bucket: int = 16
     compile_cache_dir: str | None = None  # None: ~/.cache/jaxserve/xla
@@ -244,8 +244,8 @@ class EngineConfig:
             raise ConfigError(f"isq must be one of {', '.join(ISQ_FORMATS)}, got {self.isq!r}")
         if self.int8_activations and self.packed_weights is False:
             raise ConfigError("int8_activations needs packed weights (packed_weights is off)")
-        if self.min_token_bucket < 1:
-            raise ConfigError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
+        if self.min_token_bucket < 1 or self.min_token_bucket & (self.min_token_bucket - 1):
+            raise ConfigError(f"min_token_bucket must be a positive power of two, got {self.min_token_bucket}")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

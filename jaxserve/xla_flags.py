@@ -8,12 +8,16 @@
       tok/s, bf16 at 4k context ~205 -> 224; greedy tokens unchanged.
 
 A flag the user already put in XLA_FLAGS is left as they set it; JAXSERVE_XLA_DEFAULTS=0 turns all of
-these off. The flags are GPU options: XLA on a CPU accepts and ignores them.
+these off. The flags are GPU options: XLA on a CPU accepts and ignores them. The command-buffer list is
+the measured one (it names its kinds instead of extending XLA's default list, which may hold others,
+e.g. CUDNN; jaxserve's programs use no cuDNN call).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 DEFAULTS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT,WHILE,CONDITIONAL",)
 
@@ -25,7 +29,22 @@ def with_defaults(xla_flags: str, defaults=DEFAULTS) -> str:
     return " ".join([xla_flags.strip(), *extra]).strip()
 
 
+def _backend_started() -> bool:
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
+
+
 def apply(environ=os.environ) -> None:
+    """Add the defaults to XLA_FLAGS; nothing when the user opted out, or when JAX's backend already runs
+    (XLA would not read them: a warning, and XLA_FLAGS is left saying what is in effect)."""
     if environ.get("JAXSERVE_XLA_DEFAULTS", "1") == "0":
         return
-    environ["XLA_FLAGS"] = with_defaults(environ.get("XLA_FLAGS", ""))
+    flags = with_defaults(environ.get("XLA_FLAGS", ""))
+    if flags == environ.get("XLA_FLAGS", "").strip():
+        return
+    if _backend_started():
+        logging.getLogger("jaxserve").warning(
+            "JAX's backend started before jaxserve was imported: its XLA flags (%s) are not in effect; "
+            "import jaxserve first or set them in XLA_FLAGS", " ".join(DEFAULTS))
+        return
+    environ["XLA_FLAGS"] = flags

@@ -77,7 +77,17 @@ def test_token_buckets_start_at_min_token_bucket():
     assert EngineConfig(prefill_chunk_size=1024, min_token_bucket=128).token_buckets == (128, 256, 512, 1024)
     assert EngineConfig(prefill_chunk_size=100, min_token_bucket=128).token_buckets == (100,)
     assert EngineConfig(min_token_bucket=128, token_buckets=(8, 256)).token_buckets == (8, 256)
-    with pytest.raises(ConfigError, match="min_token_bucket"):
-        EngineConfig(min_token_bucket=0)
-    cfg = engine_config_from_args(build_parser().parse_args(["run"]))  # this machine: a CPU
-    assert cfg.min_token_bucket == 16 and cfg.token_buckets[0] == 16
+    for bad in (0, 24):  # buckets must stay multiples of the attention tile
+        with pytest.raises(ConfigError, match="min_token_bucket"):
+            EngineConfig(min_token_bucket=bad)
+    import jaxserve.cli as cli
+
+    cfg = engine_config_from_args(build_parser().parse_args(["run"]))
+    assert cli._on_gpu() or (cfg.min_token_bucket == 16 and cfg.token_buckets[0] == 16)
+    orig = cli._on_gpu
+    cli._on_gpu = lambda: True  # what the CLI picks on a GPU
+    try:
+        cfg = engine_config_from_args(build_parser().parse_args(["run"]))
+    finally:
+        cli._on_gpu = orig
+    assert cfg.min_token_bucket == 128 and cfg.token_buckets[0] == 128 and cfg.dtype == "bfloat16"

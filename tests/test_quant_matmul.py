@@ -419,6 +419,8 @@ def test_fp8_kernel(M, dtype, tun):
     rtol = 4e-3 if dtype == jnp.bfloat16 else 1e-3  # bf16 output rounding / f32 x rounded to f16
     kn = f8.to_kn({"w": qw})["w"]
     assert "q0" not in kn.arrays and kn.arrays[KN_CODES].shape == (2, 96, 384)
+    freed = f8.to_kn({"w": jax.device_put(stack([one, other]))}, free=True)["w"]  # the runner's way
+    np.testing.assert_array_equal(np.asarray(freed.arrays[KN_CODES]), np.asarray(kn.arrays[KN_CODES]))
     np.testing.assert_array_equal(np.asarray(dequantize(kn)), np.asarray(dequantize(qw)))
     for w in (qw, kn):
         _check(f8.qmatmul(x, w, layer=1, interpret=INTERPRET, **tun), want, rtol=rtol)
@@ -426,7 +428,13 @@ def test_fp8_kernel(M, dtype, tun):
     ys = f8.qmatmul(x, kn, layer=1, splits=3, split_out=True, interpret=INTERPRET)
     assert ys.parts.shape == (3, M, 96)
     _check(ys.total(), want, rtol=rtol)
+    # the f32 partials themselves, summed in f64: the exact function (bf16 x; f32 x is rounded to f16),
+    # on the GPU too (no widened tolerance: a plain bf16 -> f16 cast would overflow on row 0)
+    err = np.abs(np.sum(np.asarray(ys.parts, np.float64), 0) - want).max() / np.abs(want).max()
+    assert err < (1e-5 if dtype == jnp.bfloat16 else 1e-3), err
     assert f8.supports(one.meta, 1) and not f8.supports(_float_code_weight("mxfp4").meta, 1)
+    with pytest.raises(ValueError, match="stacked"):
+        f8.qmatmul(x, kn, interpret=INTERPRET)  # a stacked weight needs layer=
     assert f8.plan(96, 384, 128, None, 2, unroll=2)[-1] == 1  # 3 groups: no 2-group steps
 
 
@@ -440,3 +448,15 @@ def test_fp8_kn_prompt_rows_take_xla():
     with jax.default_matmul_precision("highest"):
         y = pt.qmatmul(x, kn, xla_min_m=8, interpret=INTERPRET)
     _check(y, _oracle(x, kn), rtol=1e-5)
+
+
+def test_fp8_kernel_hardware_gate():
+    """The runner gives FP8 weights the [N, K] layout (this kernel) only where e4m3 -> f16 is a hardware
+    conversion: CUDA compute capability 8.9+ (jax reports it as a string), not ROCm, not CPU."""
+    from types import SimpleNamespace as D
+
+    from jaxserve.kernels.quant_matmul import pallas_fp8 as f8
+
+    assert [f8.hardware_ok(D(compute_capability=c)) for c in ("9.0", "8.9", "10.0", "8.6", "gfx942")] == [
+        True, True, True, False, False]
+    assert not f8.hardware_ok(jax.devices("cpu")[0])

@@ -29,3 +29,14 @@ def test_import_sets_them_and_jax_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     flags, total = out.stdout.split("\n")[:2]
     assert flags.split() == list(xla_flags.DEFAULTS) and total == "6.0"
+
+
+def test_not_applied_once_the_backend_runs(monkeypatch):
+    """After JAX's backend started, XLA would not read new flags: XLA_FLAGS is left as it is."""
+    import jax.numpy as jnp
+
+    jnp.zeros(1).block_until_ready()  # the backend runs in this process
+    assert xla_flags._backend_started()
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    xla_flags.apply(env)
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"

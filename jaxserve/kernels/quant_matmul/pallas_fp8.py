@@ -37,7 +37,16 @@ GROUP = 128
 
 def supports(meta: QMeta, M: int) -> bool:
     return (meta.code == "e4m3" and meta.scale_kind == "float" and meta.group == GROUP and not meta.gscale
-            and meta.offset == "none" and meta.Kp == meta.K)
+            and meta.offset == "none" and meta.Kp == meta.K and meta.N % 16 == 0)  # N: a dot side >= 16
+
+
+def hardware_ok(device) -> bool:
+    """A GPU with the e4m3 -> f16 conversion in hardware (CUDA compute capability 8.9+; measured on 9.0)."""
+    cc = getattr(device, "compute_capability", None)
+    try:
+        return cc is not None and float(cc) >= 8.9
+    except (TypeError, ValueError):
+        return False
 
 
 def _pow2_scales(a):
@@ -105,8 +114,9 @@ def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: 
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None, per_sm=2, unroll=1, num_warps=4,
             num_stages=3, split_out=False, interpret=None):
-    """x [..., K] @ W [K, N] for e4m3 block-wise W (exact up to f32 accumulation order). split_out: with
-    more than one K split, return the partials as a SplitSum for the consumer to add."""
+    """x [..., K] @ W [K, N] for e4m3 block-wise W: exact up to f32 accumulation order for bf16/f16 x (f32
+    x is rounded to f16). split_out: with more than one K split, return the partials as a SplitSum for
+    the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`."""
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
@@ -115,6 +125,9 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     if not supports(meta, M):
         raise ValueError(f"fp8 kernel: unsupported {meta.fmt} code={meta.code} group={meta.group} "
                          f"K={meta.K} Kp={meta.Kp} M={M}")
+    if len(qw.batch_shape) > 1 or (qw.batch_shape and layer is None) or (layer is not None and not qw.batch_shape):
+        raise ValueError(f"fp8 kernel: QWeight stacked {qw.batch_shape} with layer={layer!r} "
+                         "(one stacked dim, with layer=; or none, without)")
     nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
     q, s = jnp.asarray(qw.arrays[KN_CODES if nk else "q0"]), jnp.asarray(qw.arrays["scale"])
     if not qw.batch_shape:
@@ -142,16 +155,23 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
 
 
-def to_kn(weights):
+_transpose = jax.jit(lambda q: jnp.swapaxes(q, -1, -2))  # one compile per shape, not per weight
+
+
+def to_kn(weights, free: bool = False):
     """The weights with every QWeight this kernel takes holding its codes transposed ([N, K], KN_CODES)
     instead of 'q0': the [128, bn] tile the kernel loads is then the dot's operand as it is (with q0
     the kernel transposes bytes in registers: 7 instructions per weight instead of 2.8, offline SASS).
-    Same memory; the runner does this on one GPU, and every quantized matmul of such a weight then
-    takes this kernel (pallas_triton.qmatmul routes it)."""
+    The runner does this on one GPU (free=True: each source q0 is deleted once its copy exists, so at
+    most one weight is held twice); pallas_triton.qmatmul then sends such weights here below its
+    xla_min_m rows and dequantizes them for XLA's GEMM above."""
     def one(w):
         if isinstance(w, QWeight) and "q0" in w.arrays and supports(w.meta, 1):
             arrays = {k: v for k, v in w.arrays.items() if k != "q0"}
-            arrays[KN_CODES] = jax.jit(lambda q: jnp.swapaxes(q, -1, -2))(w.arrays["q0"])
+            q0 = w.arrays["q0"]
+            arrays[KN_CODES] = _transpose(q0)
+            if free and isinstance(q0, jax.Array):
+                q0.delete()
             return QWeight(w.meta, arrays)
         return w
     return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
