@@ -289,6 +289,10 @@ def main(argv=None):
                 weights = random_packed_layers(cfg, quant, "bfloat16", args.seed,
                                                head_fmt="q6k" if quant == "q4k" else None)
                 weights = dict(tf.fuse_projections(weights), _quant=quant)
+                if quant == "fp8":  # the runner's FP8 layout, made once here: every variant's runner shares it
+                    from jaxserve.kernels.quant_matmul import pallas_fp8
+
+                    weights = pallas_fp8.for_device(weights, "bfloat16", free=True)
                 if args.qmm_decode and args.qmm_decode.split(":")[0] in ("kmajor", "dp4a"):
                     from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_kmajor
 

@@ -460,3 +460,7 @@ def test_fp8_kernel_hardware_gate():
     assert [f8.hardware_ok(D(compute_capability=c)) for c in ("9.0", "8.9", "10.0", "8.6", "gfx942")] == [
         True, True, True, False, False]
     assert not f8.hardware_ok(jax.devices("cpu")[0])
+    w = {"w": _float_code_weight("fp8")}
+    if INTERPRET:  # a CPU: the runner keeps q0 there
+        assert f8.for_device(w, "bfloat16") is w
+    assert f8.for_device(w, "float32") is w  # f32 compute keeps the exact float-code kernels everywhere

@@ -94,6 +94,12 @@ def test_kv_sizing_probe_has_one_layer_of_each_kind_and_the_same_temporaries():
     np.testing.assert_array_equal(np.asarray(picked["down"]), np.asarray(listed["layers"][5]["down"]))
     llama = dataclasses.replace(cfg, layer_types=("full",) * 6)
     assert probe_model(llama, w)[0].num_layers == 1
+    from jaxserve.quant import isq
+
+    head = jax.device_put(isq.quantize(np.asarray(w["embed"]).T.copy(), "q8_0"))  # a packed LM head
+    ph = probe_model(llama, dict(w, lm_head=head))[1]["lm_head"]
+    assert ph is not head and ph.arrays["q0"] is not head.arrays["q0"]  # a copy the probe may free
+    np.testing.assert_array_equal(np.asarray(ph.arrays["q0"]), np.asarray(head.arrays["q0"]))
     ecfg = EngineConfig(max_model_len=256, max_num_seqs=4, prefill_chunk_size=128, dtype="float32",
                         scan_layers=False, program_store=False)
     temps = []

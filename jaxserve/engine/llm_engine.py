@@ -292,10 +292,14 @@ PROBE_MARGIN = 1.25  # the KV sizing probe's temporaries, scaled (see LLMEngine.
 def probe_model(cfg, weights):
     """(config, weights) of the model cut to its first layer of each kind (full / sliding window): the
     KV-cache sizing probe's model. The layer arrays are sliced (stacked) or copied (per-layer list): never
-    the model's own arrays, which the probe runner may free when it fuses projections."""
+    the model's own arrays, which the probe runner may free when it fuses projections; packed weights
+    outside the layers (an LM head) are copied too: the runner may free their codes when it re-lays them
+    out (pallas_fp8.to_kn on a GPU)."""
     import dataclasses
 
     import jax
+
+    from jaxserve.quant.qweight import QWeight
 
     keep = sorted({cfg.layer_types.index(t) for t in set(cfg.layer_types)})
     pcfg = dataclasses.replace(cfg, num_layers=len(keep), layer_types=tuple(cfg.layer_types[i] for i in keep))
@@ -305,7 +309,8 @@ def probe_model(cfg, weights):
     else:
         idx = np.asarray(keep)
         layers = jax.tree.map(lambda a: a[idx], layers)
-    return pcfg, dict(weights, layers=layers)
+    own = {k: jax.tree.map(lambda a: a.copy(), v) for k, v in weights.items() if isinstance(v, QWeight)}
+    return pcfg, dict(weights, layers=layers, **own)
 
 
 class LLMEngine:

@@ -144,14 +144,12 @@ class ModelRunner:
             self.weights = weights = tf.fuse_projections(weights)
         if ecfg.int8_activations:
             self.weights = weights = self._int8_activations(weights, platform)
-        from jaxserve.kernels.quant_matmul import pallas_fp8
+        if mesh is None:
+            # FP8 block-wise codes held [N, K] for the FP8 tensor-core kernel on a GPU (pallas_fp8.for_device;
+            # after the fusion: a fused weight is transposed whole; each source freed as it goes).
+            from jaxserve.kernels.quant_matmul import pallas_fp8
 
-        if (platform == "gpu" and mesh is None and ecfg.dtype != "float32"
-                and pallas_fp8.hardware_ok(jax.devices()[0])):
-            # FP8 block-wise codes held [N, K] for the FP8 tensor-core kernel (pallas_fp8.to_kn; after the
-            # fusion: a fused weight is transposed whole; each source freed as it goes). Not for f32
-            # compute: the kernel rounds f32 x to f16, the float-code kernels stay exact.
-            self.weights = weights = pallas_fp8.to_kn(weights, free=True)
+            self.weights = weights = pallas_fp8.for_device(weights, ecfg.dtype, free=True)
         if ecfg.dense_gemv:
             if mesh is not None:
                 raise ValueError("dense_gemv needs a single device (no mesh)")
