@@ -40,48 +40,23 @@ TRITON_DIR = os.environ.get("TRITON_PKG", "/tmp/tritonpkg")
 
 def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
     """(Triton IR text, num_warps, num_stages, plan) of the kernel qmatmul(x[M, K], W[K, N], **kw)."""
-    from jax._src.pallas.triton import lowering as L
-    from jax._src.pallas.triton import pallas_call_registration as R
-
     n0 = min(N, 256)
     qw = isq.quantize(np.random.default_rng(0).standard_normal((K, n0), dtype=np.float32), fmt)
     qw = with_meta(jax.tree.map(lambda a: np.tile(a, (1,) * (a.ndim - 1) + (-(-N // n0),))[..., :N], qw), N=N)
     x = jnp.zeros((M, K), jnp.bfloat16)
-    got = []
-    orig = L.lower_jaxpr_to_triton_module
-
-    def capture(*a, **k):
-        r = orig(*a, **k)
-        got.append(r.module.operation.get_asm(enable_debug_info=False))
-        return r
-
-    params = []
-    orig_cp = pt._compiler_params
-
-    def cp(num_warps, num_stages):
-        params.append((num_warps, num_stages))
-        return orig_cp(num_warps, num_stages)
-
-    R.lowering.lower_jaxpr_to_triton_module = capture
-    pt._compiler_params = cp
     kmajor = kw.get("mode") in ("kmajor", "dp4a")  # the experimental K-contiguous kernels
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            if kmajor:
-                from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_kmajor as km
+    if kmajor:
+        from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_kmajor as km
 
-                kkw = {k: v for k, v in kw.items() if k != "mode"}
-                rep, fn = ((km.repack, km.qmatmul) if kw["mode"] == "kmajor"
-                           else (pallas_dp4a.repack, pallas_dp4a.qmatmul))
-                qk = rep(qw)
-                jax.jit(lambda x, q, qk: fn(x, q, qk, interpret=False, **kkw)).trace(x, qw, qk).lower(
-                    lowering_platforms=("cuda",))
-            else:
-                jax.jit(lambda x, q: pt.qmatmul(x, q, interpret=False, **kw)).trace(x, qw).lower(
-                    lowering_platforms=("cuda",))
-    finally:
-        R.lowering.lower_jaxpr_to_triton_module = orig
-        pt._compiler_params = orig_cp
+        kkw = {k: v for k, v in kw.items() if k != "mode"}
+        rep, fn = ((km.repack, km.qmatmul) if kw["mode"] == "kmajor" else (pallas_dp4a.repack, pallas_dp4a.qmatmul))
+        qk = rep(qw)
+        lower = lambda: jax.jit(lambda x, q, qk: fn(x, q, qk, interpret=False, **kkw)).trace(  # noqa: E731
+            x, qw, qk).lower(lowering_platforms=("cuda",))
+    else:
+        lower = lambda: jax.jit(lambda x, q: pt.qmatmul(x, q, interpret=False, **kw)).trace(  # noqa: E731
+            x, qw).lower(lowering_platforms=("cuda",))
+    ttir, (warps, stages) = capture_triton(lower, pt)
     if kmajor:
         bn = kw.get("block_n", fn.__kwdefaults__["block_n"])
         rows = 256  # kmajor: one run of 256 rows per iteration; dp4a: S sub-groups of 32
@@ -89,9 +64,9 @@ def capture_ttir(fmt: str, K: int, N: int, M: int, kw: dict):
             sub = pallas_dp4a.layout(qw.meta)[1]
             rows = sub * pallas_dp4a.step_subgroups(qw.meta.Kp // sub, kw.get("block_k", fn.__kwdefaults__["block_k"]),
                                                     sub)
-        return got[-1], params[-1][0], params[-1][1], dict(mode="kmajor", bn=bn, rows=rows), qw.meta
+        return ttir, warps, stages, dict(mode="kmajor", bn=bn, rows=rows), qw.meta
     plan = pt.plan(qw.meta, M, **{k: v for k, v in kw.items() if k not in ("num_stages",)})
-    return got[-1], params[-1][0], params[-1][1], plan, qw.meta
+    return ttir, warps, stages, plan, qw.meta
 
 
 def capture_triton(lower, params_module):

@@ -67,7 +67,7 @@ def test_engine_flags_map_to_the_engine_config():
         parse("--int8-activations", "--packed", "off")
 
 
-def test_token_buckets_start_at_min_token_bucket():
+def test_token_buckets_start_at_min_token_bucket(monkeypatch):
     """The smallest default token bucket is EngineConfig.min_token_bucket (the CLI sets 128 on a GPU:
     there a 16-token step costs what a 128-token one does); explicit buckets are kept as given."""
     from jaxserve.cli import build_parser, engine_config_from_args
@@ -84,10 +84,6 @@ def test_token_buckets_start_at_min_token_bucket():
 
     cfg = engine_config_from_args(build_parser().parse_args(["run"]))
     assert cli._on_gpu() or (cfg.min_token_bucket == 16 and cfg.token_buckets[0] == 16)
-    orig = cli._on_gpu
-    cli._on_gpu = lambda: True  # what the CLI picks on a GPU
-    try:
-        cfg = engine_config_from_args(build_parser().parse_args(["run"]))
-    finally:
-        cli._on_gpu = orig
+    monkeypatch.setattr(cli, "_on_gpu", lambda: True)  # what the CLI picks on a GPU
+    cfg = engine_config_from_args(build_parser().parse_args(["run"]))
     assert cfg.min_token_bucket == 128 and cfg.token_buckets[0] == 128 and cfg.dtype == "bfloat16"

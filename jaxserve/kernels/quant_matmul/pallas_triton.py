@@ -260,6 +260,11 @@ def plan(meta: QMeta, M: int, *, block_m=None, block_n=None, block_k=None, split
                 num_warps=warps)
 
 
+def _dequantized_dot(x, qw: QWeight):
+    """Prompt steps: one dequantized copy of this (unstacked) weight, then XLA's GEMM."""
+    return jnp.dot(x, dequantize(qw).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=None, splits=None,
             mode=None, num_warps=None, num_stages=None, interpret=None, xla_min_m: int = 512, reduce=None,
             rows=None, prefetch=None, decode_mode=None, decode_max_m=None, split_out: bool = False,
@@ -284,10 +289,9 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     if KN_CODES in qw.arrays:  # FP8 codes held [N, K] (pallas_fp8.to_kn): that kernel below xla_min_m rows
         from jaxserve.kernels.quant_matmul import pallas_fp8
 
-        if math.prod(lead) < xla_min_m or mode == "fp8":
+        if math.prod(lead) < xla_min_m:
             return pallas_fp8.qmatmul(x, qw, layer=layer, interpret=interpret, split_out=split_out, **(fp8 or {}))
-        w = dequantize(qw if layer is None else jax.tree.map(lambda a: a[layer], qw))
-        return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        return _dequantized_dot(x, qw if layer is None else jax.tree.map(lambda a: a[layer], qw))
     names = leaf_names(meta)
     leaves = [jnp.asarray(qw.arrays[n]) for n in names]
     gscale = None
@@ -323,9 +327,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
         return y[:, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
     if p["mode"] == "xla":  # prefill: one dequantized copy of this layer's weight, then the GEMM
         arrays = dict(zip(names, leaves), **({} if gscale is None else {"gscale": gscale}))
-        w = dequantize(jax.tree.map(lambda a: a[layer[0]], QWeight(meta, arrays)))
-        y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32)
-        return y.astype(x.dtype).reshape(*lead, meta.N)
+        return _dequantized_dot(x2, jax.tree.map(lambda a: a[layer[0]], QWeight(meta, arrays))).reshape(*lead, meta.N)
     bm, bn, Mp, Np, splits = p["bm"], p["bn"], p["Mp"], p["Np"], p["splits"]
     wdt = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     xp = jnp.pad(x2.astype(wdt), ((0, Mp - M), (0, meta.Kp - K)))
