@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
 import statistics
 import sys
@@ -189,6 +190,8 @@ def main(argv=None):
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
                          "num_stages reach the prefill kernel too)")
+    ap.add_argument("--norm-warps", default="",
+                    help="comma list: add+RMSNorm kernel num_warps per variant (empty: the kernel's default)")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
     ap.add_argument("--hlo-dir", default=None, help="write each variant's optimized decode program here")
     ap.add_argument("--profile", type=int, default=0,
@@ -265,10 +268,14 @@ def main(argv=None):
             for v in args.fp8_kernel.split(";")]
     variants += [(q, spec, True, d, f8) for q in quants if q != "none" for spec in args.attention.split(",")
                  for d in dgemvs for f8 in (fp8s if q == "fp8" else [None])]
+    norm_warps = [int(w) for w in args.norm_warps.split(",") if w] or [None]
+    variants = [v + (nw,) for v in variants for nw in norm_warps]
     fused = False
     base_qmatmul = qmatmul
-    for quant, spec, fuse, dgemv, f8kw in variants:
+    for quant, spec, fuse, dgemv, f8kw, nw in variants:
         label, fn = parse_impl(spec)
+        if nw:
+            label += f" norm_warps={nw}"
         qmatmul = base_qmatmul
         if f8kw:  # FP8 kernel tuning (kernels/quant_matmul/pallas_fp8.qmatmul's keywords)
             from jaxserve.kernels.quant_matmul import pallas_triton as qpt
@@ -307,6 +314,9 @@ def main(argv=None):
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv],
                               qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv)
+        if nw and "num_warps" in inspect.signature(runner.add_norm or (lambda: 0)).parameters:
+            # read when the program is traced (runner._fn); the Pallas kernel only
+            runner.add_norm = functools.partial(runner.add_norm, num_warps=nw)
         # counted from the runner's weights: --int8-activations reads the layers through the code copies
         # it attaches (a q6k LM head: 1 byte per weight instead of 0.82)
         wbytes = tree_weight_bytes(cfg, runner.weights)

@@ -77,12 +77,13 @@ def start_once(model: str, cache_dir: str, extra: list[str], timeout: float) -> 
     with launched_server(model, cache_dir, extra, timeout) as (_, dt, read_log):
         pass
     lines = read_log().splitlines()
-    ready = [ln.strip() for ln in lines if "ready in" in ln or "compiled" in ln]
+    ready = [ln.strip() for ln in lines if any(w in ln for w in ("ready in", "compiled", "loaded in", "probe",
+                                                                  "programs (lowered"))]
     # Why a compilation cache stays empty shows up as a warning from jax's cache module.
     for ln in [ln for ln in lines if "cache" in ln.lower() and ("warn" in ln.lower() or "error" in ln.lower())][:5]:
         print("  log:", ln.strip()[:300], flush=True)
     n = len(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else 0
-    return dt, " / ".join(ready)[-400:] + f" [cache entries after: {n}]"
+    return dt, " / ".join(ready)[-1500:] + f" [cache entries after: {n}]"
 
 
 def main(argv=None):

@@ -2,6 +2,7 @@
 GPU default) compute the same thing, through the whole engine (decode loop, mixed steps, sampler)."""
 
 import numpy as np
+import pytest
 
 from hf_tiny import make_tiny_model
 from jaxserve import LLM, SamplingParams
@@ -111,3 +112,27 @@ def test_kv_sizing_probe_has_one_layer_of_each_kind_and_the_same_temporaries():
     from jaxserve.engine.llm_engine import PROBE_MARGIN
 
     assert 0 < temps[1] <= temps[0] <= PROBE_MARGIN * temps[1], temps
+
+
+def test_prompt_logprobs_in_row_chunks_are_the_same_and_need_less_memory(tmp_path, monkeypatch):
+    """A mixed step computes prompt log-probs PLP_CHUNK rows at a time (the [rows, vocab] logits of a
+    whole large step were most of the temporaries the KV sizing reserved): the same log-probs and top
+    ids as one pass over every row, and a smaller peak."""
+    from jaxserve.engine import step as step_mod
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path, vocab_size=8192))  # logits dominate the peak
+    prompt = [[(7 * i) % 250 + 3 for i in range(100)]]
+    p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    res, temps = {}, {}
+    for chunk in (4096, 16):  # 4096: one pass (the 128-token step), 16: 8 chunks
+        monkeypatch.setattr(step_mod, "PLP_CHUNK", chunk)
+        llm = LLM(str(d), max_model_len=256, max_num_seqs=2, prefill_chunk_size=128, block_size=4,
+                  scan_layers=False, program_store=False)
+        out = llm.generate(prompt, p)[0]
+        res[chunk] = out.prompt_logprobs[1:]
+        temps[chunk] = llm.engine.runner.max_temp_bytes()
+    assert len(res[16]) == 99
+    for (lp_a, top_a), (lp_b, top_b) in zip(res[4096], res[16]):
+        assert lp_a == pytest.approx(lp_b, abs=1e-5)
+        assert [t for t, _ in top_a] == [t for t, _ in top_b]
+    assert temps[16] < temps[4096], temps

@@ -335,6 +335,7 @@ class LLMEngine:
             yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices,
             packed=ecfg.packed_weights, isq=ecfg.isq)
         self.load_seconds = time.perf_counter() - t0
+        log.info("model %s loaded in %.1fs", getattr(model, "name", model), self.load_seconds)
         self.model = lm
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
         if ecfg.max_model_len > lm.cfg.max_position_embeddings and not lm.cfg.rope_scaling:
@@ -352,11 +353,14 @@ class LLMEngine:
             # reported the same temporaries), so this extra compile on the start-up's critical
             # path is a fraction of the whole model's. A tiny 6-layer model reported 16% more for all
             # layers than for its probe (small per-layer buffers): PROBE_MARGIN covers that.
+            t = time.perf_counter()
             pcfg, pweights = probe_model(lm.cfg, lm.weights)
             probe = ModelRunner(pcfg, ecfg, pweights, 2, attention=attention, mesh=lm.mesh, rules=lm.rules)
             probe.compile(("mixed", max(ecfg.token_buckets)))
             reserved = int(probe.max_temp_bytes() * PROBE_MARGIN)
             del probe, pweights
+            log.info("KV sizing probe: %.1fs; %.2f GiB reserved for temporaries", time.perf_counter() - t,
+                     reserved / 2**30)
         num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved)
         # runner_cls: multi-host rank 0 uses a runner that also publishes each step's inputs.
         self.runner = (runner_cls or ModelRunner)(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,

@@ -299,6 +299,14 @@ class ModelRunner:
                     loaded += 1
             keys = [k for k in keys if k not in self._compiled]
         lowering = 0.0  # Python tracing + lowering: serial, and not skipped by JAX's compilation cache
+        times = {}  # key -> (seconds from warm-up start to lowered, seconds compiling)
+
+        def compile_timed(k, lowered):
+            t = time.perf_counter()
+            out = compile_noting_cache_hit(lowered)
+            times[k] = (times[k][0], time.perf_counter() - t)
+            return out
+
         with ThreadPoolExecutor(threads) as pool:
             futures = []
             for k in keys:
@@ -306,11 +314,15 @@ class ModelRunner:
                 args = self._abstract_args(k)
                 lowered = self._fn(k).lower(*args)
                 lowering += time.perf_counter() - t
-                futures.append((k, args, pool.submit(compile_noting_cache_hit, lowered)))
+                times[k] = (time.perf_counter() - t0, 0.0)
+                futures.append((k, args, pool.submit(compile_timed, k, lowered)))
             for k, args, f in futures:
                 self._compiled[k], from_cache = f.result()
                 if store and not from_cache:
                     store.save(k, args, self._compiled[k])
+        if times:  # the start-up's critical path: when each program was handed to XLA, and for how long
+            log.info("programs (lowered at +s, compile s): %s", ", ".join(
+                f"{k[0]}{k[1]} +{a:.1f} {c:.1f}" for k, (a, c) in times.items()))
         self.compile_seconds += time.perf_counter() - t0
         self._frozen = True
         log.info("%d programs ready in %.1fs: %d loaded from %s, %d compiled (%d threads; %.1fs of it "

@@ -54,6 +54,9 @@ def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_
     return out, state
 
 
+PLP_CHUNK = 512  # rows of prompt log-probs computed at once (mixed_step)
+
+
 def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
                block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None):
     R = state["out_counts"].shape[0] - 1
@@ -83,14 +86,27 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     # step asked (lax.cond), so one program per token bucket serves both kinds of step.
     T = hidden.shape[0]
 
-    def prompt_lp():
-        logits = tf.logits_from_hidden(cfg, weights, hidden, qmm)
+    def prompt_lp_rows(h, targets):
+        logits = tf.logits_from_hidden(cfg, weights, h, qmm)
         if logits_sharding is not None:
             logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
         lp = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(lp, inp["target_ids"][:, None], axis=1)[:, 0]
+        chosen = jnp.take_along_axis(lp, targets[:, None], axis=1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, num_top) if num_top else (lp[:, :0], lp[:, :0])
         return chosen, top_ids.astype(jnp.int32), top_lp
+
+    def prompt_lp():
+        # In chunks of PLP_CHUNK rows: the [rows, vocab] f32 logits and log-softmax of a whole 8,192-token
+        # step were ~24 GiB of temporaries that the KV-cache sizing had to reserve (lax.cond's branches
+        # share the program's peak) for a rarely used feature.
+        if T <= PLP_CHUNK:
+            return prompt_lp_rows(hidden, inp["target_ids"])
+        n = -(-T // PLP_CHUNK)  # T is a bucket plus the decode rows: pad to whole chunks
+        pad = n * PLP_CHUNK - T
+        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, PLP_CHUNK, -1)
+        tgt = jnp.pad(inp["target_ids"], (0, pad)).reshape(n, PLP_CHUNK)
+        outs = jax.lax.map(lambda a: prompt_lp_rows(*a), (h, tgt))
+        return tuple(o.reshape(n * PLP_CHUNK, *o.shape[2:])[:T] for o in outs)
 
     def none():
         return (jnp.zeros((T,), jnp.float32), jnp.zeros((T, num_top), jnp.int32),
