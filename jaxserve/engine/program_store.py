@@ -37,7 +37,7 @@ def _on_event(event: str, **_kw) -> None:
         _tls.hit = True
 
 
-def compile_noting_cache_hit(lowered):
+def compile_noting_cache_hit(lowered, compiler_options: dict | None = None):
     """(lowered.compile(), whether JAX's persistent cache supplied it). An executable that came from
     JAX's cache must not be stored again: re-serialized on CPU it lacks some of its functions and fails
     when run ('NOT_FOUND: Function wrapped_iota not found', jax 0.10)."""
@@ -46,7 +46,7 @@ def compile_noting_cache_hit(lowered):
             jax.monitoring.register_event_listener(_on_event)
             _listening.append(True)
     _tls.hit = False
-    exe = lowered.compile()
+    exe = lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
     return exe, _tls.hit
 
 
