@@ -190,6 +190,9 @@ def main(argv=None):
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
                          "num_stages reach the prefill kernel too)")
+    ap.add_argument("--dp4a-per-sm", default="",
+                    help="LAYOUT=N,...: the int8-activation kernel's K-split target (pallas_dp4a.PER_SM), "
+                         "e.g. byte=16")
     ap.add_argument("--norm-warps", default="",
                     help="comma list: add+RMSNorm kernel num_warps per variant (empty: the kernel's default)")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
@@ -202,6 +205,15 @@ def main(argv=None):
 
     from jaxserve.loader.materialize import random_weights
 
+    if args.dp4a_per_sm:  # read when a program is traced
+        from jaxserve.kernels.quant_matmul import pallas_dp4a
+
+        for kv in args.dp4a_per_sm.split(","):
+            k, v = kv.split("=")
+            if k not in pallas_dp4a.PER_SM:
+                raise SystemExit(f"--dp4a-per-sm: unknown layout {k!r} (one of {sorted(pallas_dp4a.PER_SM)})")
+            pallas_dp4a.PER_SM[k] = int(v)
+        print(f"# dp4a programs per SM: {pallas_dp4a.PER_SM}", flush=True)
     cfg = model_config(args.config)
     contexts = [int(c) for c in args.contexts.split(",")]
     dev = jax.devices()[0]

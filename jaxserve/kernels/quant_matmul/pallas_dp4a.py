@@ -235,15 +235,19 @@ def step_subgroups(n: int, block_k: int, sub: int) -> int:
     return S
 
 
-def plan(meta: QMeta, block_n: int, block_k: int, splits):
-    """(column tiles, sub-groups per step S, K splits, steps per split, total steps)."""
+PER_SM = {"nibble": 8, "byte": 24}  # default K-split target: programs per SM, by code layout
+
+
+def plan(meta: QMeta, block_n: int, block_k: int, splits, per_sm: int | None = None):
+    """(column tiles, sub-groups per step S, K splits, steps per split, total steps). Without `splits`,
+    K is split until there are ~per_sm programs per SM (PER_SM[layout] by default)."""
     if meta.N % block_n:
         raise ValueError(f"dp4a: N={meta.N} is not a multiple of block_n={block_n}")
-    sub = layout(meta)[1]
+    kind, sub = layout(meta)[:2]
     S = step_subgroups(meta.Kp // sub, block_k, sub)
     nsteps, tiles = meta.Kp // sub // S, meta.N // block_n
-    if splits is None:  # ~8 programs per SM
-        splits = max(1, min(nsteps, -(-8 * NUM_SMS // tiles)))
+    if splits is None:
+        splits = max(1, min(nsteps, -(-(per_sm or PER_SM[kind]) * NUM_SMS // tiles)))
     per = -(-nsteps // splits)
     return tiles, S, -(-nsteps // per), per, nsteps
 
@@ -263,8 +267,8 @@ def prepare(x, qw: QWeight, qk, layer, supported, what: str):
     return x2, names, leaves, qk, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=None, num_warps=4, num_stages=3,
-            xq="xla", split_out=False, interpret=None):
+def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=None, per_sm=None, num_warps=4,
+            num_stages=3, xq="xla", split_out=False, interpret=None):
     """x [..., K] @ W [K, N] with int8-quantized x and W's codes from qk (`repack`); factors from qw.
     xq: where x is rounded to int8: 'xla' (quantize_x, its own XLA ops before the kernel) or
     'kernel' (every program rounds the part of x it reads: no extra launches). split_out: with more
@@ -283,7 +287,7 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
         words, dx, sx = quantize_x(xp, meta)
         xs = (*words, dx, sx)
     bn = int(block_n)
-    tiles, S, splits, per, nsteps = plan(meta, bn, int(block_k), splits)
+    tiles, S, splits, per, nsteps = plan(meta, bn, int(block_k), splits, per_sm)
     zp = 0 if meta.offset == "zero" else meta.zp
     kernel = functools.partial(_kernel, names=names, meta=meta, M=M, bn=bn, S=S, per=per, nsteps=nsteps, zp=zp,
                                xq=xq, interpret=interpret)
