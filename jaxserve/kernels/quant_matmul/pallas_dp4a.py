@@ -235,7 +235,7 @@ def step_subgroups(n: int, block_k: int, sub: int) -> int:
     return S
 
 
-PER_SM = {"nibble": 8, "byte": 24}  # default K-split target: programs per SM, by code layout
+PER_SM = {"nibble": 8, "byte": 8}  # K-split target, programs per SM, by code layout (measured; see bench/RESULTS.md)
 
 
 def plan(meta: QMeta, block_n: int, block_k: int, splits, per_sm: int | None = None):
