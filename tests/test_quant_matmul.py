@@ -438,45 +438,6 @@ def test_fp8_kernel(M, dtype, tun):
     assert f8.plan(96, 384, 128, None, 2, unroll=2)[-1] == 1  # 3 groups: no 2-group steps
 
 
-@pytest.mark.parametrize("M,dtype,tun", [
-    (1, jnp.bfloat16, {}),
-    (2, jnp.bfloat16, dict(unroll=3, splits=1)),
-    (5, jnp.float32, dict(block_n=64, splits=2)),
-], ids=str)
-def test_fp8_kernel_block_scales_folded_into_x(M, dtype, tun):
-    """Weights whose scales are 128x128 blocks (FP8 checkpoints') get their block scales at `to_kn`, and
-    the kernel then folds each group's scale into x (one accumulator, no per-group wait): the function
-    of x @ dequantize(W) up to x * scale's f16 rounding (<= 2^-12 relative per product); weights with
-    per-column scales keep the exact kernel, and asking them to fold is an error."""
-    from jaxserve.kernels.quant_matmul import pallas_fp8 as f8
-    from jaxserve.quant.qweight import QWeight
-
-    rng = np.random.default_rng(M)
-    one = _float_code_weight("fp8", K=384, N=320)  # column blocks of 128, 128 and 64
-    blocks = rng.uniform(1e-3, 4.0, (2, 3, 3)).astype(np.float32)
-    qw = jax.device_put(stack([QWeight(one.meta, dict(one.arrays, scale=np.repeat(b, 128, 1)[:, :320]))
-                               for b in blocks]))
-    kn = f8.to_kn({"w": qw})["w"]
-    np.testing.assert_array_equal(np.asarray(kn.arrays[f8.BLOCK_SCALES]), blocks)
-    x = rng.standard_normal((M, 384)).astype(np.float32)
-    x[0, :4] *= 3e4
-    x[-1, 200:210] *= 1e-5
-    x = jnp.asarray(x, dtype)
-    want = _oracle(np.asarray(x, np.float32), qw, 1)
-    _check(f8.qmatmul(x, kn, layer=1, interpret=INTERPRET, **tun), want, rtol=4e-3 if dtype == jnp.bfloat16 else 1e-3)
-    ys = f8.qmatmul(x, kn, layer=1, splits=3, split_out=True, interpret=INTERPRET,
-                     **{k: v for k, v in tun.items() if k == "block_n"})
-    err = np.abs(np.sum(np.asarray(ys.parts, np.float64), 0) - want).max() / np.abs(want).max()
-    assert 0 < err < 3e-4, err  # rounded (x * scale in f16), but far inside the bf16 output's rounding
-    exact = f8.qmatmul(x, kn, layer=1, splits=3, split_out=True, fold=False, interpret=INTERPRET)
-    err_exact = np.abs(np.sum(np.asarray(exact.parts, np.float64), 0) - want).max() / np.abs(want).max()
-    assert err_exact < (1e-5 if dtype == jnp.bfloat16 else 1e-3)
-    per_col = f8.to_kn({"w": jax.device_put(one)})["w"]  # random scale per column: not blocks
-    assert f8.BLOCK_SCALES not in per_col.arrays
-    with pytest.raises(ValueError, match="fold"):
-        f8.qmatmul(x, per_col, fold=True, interpret=INTERPRET)
-
-
 def test_fp8_kn_prompt_rows_take_xla():
     """Prompt steps (M >= xla_min_m) of a to_kn FP8 weight: one dequantized copy and XLA's GEMM, the
     same function."""

@@ -33,7 +33,6 @@ from jaxserve.quant.qweight import KN_CODES, QMeta, QWeight
 
 NUM_SMS = 132
 GROUP = 128
-BLOCK_SCALES = "scale_nb"  # [..., K/128, N/128]: the scales of a weight whose scales are 128x128 blocks
 
 
 def supports(meta: QMeta, M: int) -> bool:
@@ -59,7 +58,7 @@ def _pow2_scales(a):
     return f, inv
 
 
-def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk, u, fold):
+def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk, u):
     from jaxserve.kernels.paged_attention.pallas_triton import _dot
 
     jn, ks = pl.program_id(0), pl.program_id(1)
@@ -69,32 +68,13 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk
     real = r < M
     rows = jnp.minimum(r, M - 1)
     f32 = jnp.float32
-    b0 = ks * per
-    b1 = jnp.minimum(b0 + per, nsteps)
-
-    def x_group(g):
-        k0 = g * GROUP
-        xt = x_ref[rows[:, None], (k0 + jnp.arange(GROUP))[None, :]].astype(f32)  # [Mp, 128]
-        return jnp.where(real[:, None], xt, 0.0)
-
-    if fold:  # s_ref: one scale per (group, 128 columns): folded into x, the dots chain on one accumulator
-        def x_max(i, m):
-            for j in range(u):
-                g = i * u + j
-                m = jnp.maximum(m, jnp.max(jnp.abs(x_group(g)), axis=1) * jnp.abs(s_ref[layer, g, n0 // GROUP]))
-            return m
-
-        # one power of two per row over this program's groups: |x * s| * f <= 2^15 for every group
-        f, inv = _pow2_scales(lax.fori_loop(b0, b1, x_max, jnp.zeros((Mp,), f32)))
 
     def group(g, acc):  # the 128 rows of K of group g
         k0 = g * GROUP
-        xt = x_group(g)
-        if fold:
-            xh = (xt * (f * s_ref[layer, g, n0 // GROUP])[:, None]).astype(jnp.float16)
-        else:
-            f1, inv1 = _pow2_scales(jnp.max(jnp.abs(xt), axis=1))
-            xh = (xt * f1[:, None]).astype(jnp.float16)
+        xt = x_ref[rows[:, None], (k0 + jnp.arange(GROUP))[None, :]].astype(f32)  # [Mp, 128]
+        xt = jnp.where(real[:, None], xt, 0.0)
+        f, inv = _pow2_scales(jnp.max(jnp.abs(xt), axis=1))
+        xh = (xt * f[:, None]).astype(jnp.float16)
         if nk:  # the [N, K] copy: a [bn, 128] tile is already the dot's row-major first operand
             w = lax.bitcast_convert_type(q_ref[layer, pl.ds(n0, bn), pl.ds(k0, GROUP)], jnp.float8_e4m3fn)
             w = w.astype(jnp.float16)
@@ -102,19 +82,16 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk
             codes = q_ref[layer, pl.ds(k0, GROUP), pl.ds(n0, bn)]  # [128, bn] uint8
             w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).T
         part = _dot(w, xh.T)  # [bn, Mp] f32: the weights on the dot's wide side
-        if fold:
-            return acc + part
         s = s_ref[layer, g, pl.ds(n0, bn)]  # [bn] this group's scale per column
-        return acc + part * s[:, None] * inv1[None, :]
+        return acc + part * s[:, None] * inv[None, :]
 
     def body(i, acc):  # u groups per iteration (fewer loop overheads, more loads in flight)
         for j in range(u):
             acc = group(i * u + j, acc)
         return acc
 
-    acc = lax.fori_loop(b0, b1, body, jnp.zeros((bn, Mp), f32))
-    if fold:
-        acc = acc * inv[None, :]
+    b0 = ks * per
+    acc = lax.fori_loop(b0, jnp.minimum(b0 + per, nsteps), body, jnp.zeros((bn, Mp), f32))
     out = acc.T  # [Mp, bn]
     from jaxserve.kernels.paged_attention.pallas_triton import _triton
 
@@ -136,15 +113,10 @@ def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: 
 
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None, per_sm=2, unroll=1, num_warps=4,
-            num_stages=3, fold=None, split_out=False, interpret=None):
+            num_stages=3, split_out=False, interpret=None):
     """x [..., K] @ W [K, N] for e4m3 block-wise W: exact up to f32 accumulation order for bf16/f16 x (f32
     x is rounded to f16). split_out: with more than one K split, return the partials as a SplitSum for
-    the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`.
-
-    fold (default: when qw holds BLOCK_SCALES, i.e. its scales are constant over 128-column blocks, as
-    FP8 block-wise checkpoints' are): each group's scale multiplies x instead of the group's dot result,
-    so the dots accumulate in place without waiting for one another; x * scale is rounded to f16
-    (relative error <= 2^-12 per element, below the bf16 output's 2^-9: not bit-exact any more)."""
+    the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`."""
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
@@ -157,22 +129,15 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
         raise ValueError(f"fp8 kernel: QWeight stacked {qw.batch_shape} with layer={layer!r} "
                          "(one stacked dim, with layer=; or none, without)")
     nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
-    fold = BLOCK_SCALES in qw.arrays if fold is None else bool(fold)
-    if fold and BLOCK_SCALES not in qw.arrays:
-        raise ValueError("fp8 kernel: fold needs the weight's per-128-column scales (block_scales)")
-    q = jnp.asarray(qw.arrays[KN_CODES if nk else "q0"])
-    s = jnp.asarray(qw.arrays[BLOCK_SCALES if fold else "scale"])
+    q, s = jnp.asarray(qw.arrays[KN_CODES if nk else "q0"]), jnp.asarray(qw.arrays["scale"])
     if not qw.batch_shape:
         q, s, layer = q[None], s[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     Mp = max(16, 1 << (M - 1).bit_length())
     Mp = min(block_m, Mp)
     mtiles = -(-M // Mp)
-    bn, tiles, splits, per, nsteps, u = plan(meta.N, meta.K, min(block_n, GROUP) if fold else block_n, splits,
-                                             per_sm, mtiles, unroll)
-    if fold and GROUP % bn:
-        raise ValueError(f"fp8 kernel: fold needs column tiles dividing {GROUP}, got {bn}")
-    kernel = functools.partial(_kernel, M=M, Mp=Mp, bn=bn, per=per, nsteps=nsteps, nk=nk, u=u, fold=fold)
+    bn, tiles, splits, per, nsteps, u = plan(meta.N, meta.K, block_n, splits, per_sm, mtiles, unroll)
+    kernel = functools.partial(_kernel, M=M, Mp=Mp, bn=bn, per=per, nsteps=nsteps, nk=nk, u=u)
     cp = None
     if not interpret:
         from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params
@@ -182,7 +147,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     full = pl.BlockSpec()
     out = pl.pallas_call(kernel, grid=(tiles, splits, mtiles), in_specs=[full] * 4, out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
-                         compiler_params=cp, name=f"qfp8_m{Mp}_n{bn}_s{splits}" + ("_fold" if fold else ""))(layer, x2, q, s)
+                         compiler_params=cp, name=f"qfp8_m{Mp}_n{bn}_s{splits}")(layer, x2, q, s)
     if splits == 1:
         return out[0].reshape(*x.shape[:-1], meta.N)
     if split_out:
@@ -191,20 +156,6 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
 
 
 _transpose = jax.jit(lambda q: jnp.swapaxes(q, -1, -2))  # one compile per shape, not per weight
-
-
-@jax.jit
-def _blocks_of(scale):
-    """(scale at the first column of each 128-column block, whether every column equals its block's)."""
-    first = scale[..., ::GROUP]
-    return first, jnp.all(jnp.repeat(first, GROUP, axis=-1)[..., :scale.shape[-1]] == scale)
-
-
-def block_scales(scale):
-    """scale [..., K/128, N] -> its [..., K/128, ceil(N/128)] block values when the scales are constant
-    over 128-column blocks (FP8 block-wise checkpoints: one scale per 128x128 block), else None."""
-    first, same = _blocks_of(jnp.asarray(scale))
-    return first if bool(same) else None
 
 
 def to_kn(weights, free: bool = False):
@@ -219,9 +170,6 @@ def to_kn(weights, free: bool = False):
             arrays = {k: v for k, v in w.arrays.items() if k != "q0"}
             q0 = w.arrays["q0"]
             arrays[KN_CODES] = _transpose(q0)
-            blk = block_scales(w.arrays["scale"])
-            if blk is not None:
-                arrays[BLOCK_SCALES] = blk
             if free and isinstance(q0, jax.Array):
                 q0.delete()
             return QWeight(w.meta, arrays)
