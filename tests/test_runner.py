@@ -103,13 +103,14 @@ def test_kv_sizing_probe_has_one_layer_of_each_kind_and_the_same_temporaries():
     np.testing.assert_array_equal(np.asarray(ph.arrays["q0"]), np.asarray(head.arrays["q0"]))
     ecfg = EngineConfig(max_model_len=256, max_num_seqs=4, prefill_chunk_size=128, dtype="float32",
                         scan_layers=False, program_store=False)
+    from jaxserve.engine.llm_engine import PROBE_COMPILER_OPTIONS, PROBE_MARGIN
+
     temps = []
-    for c, ws in ((cfg, w), (pcfg, pw)):
+    for c, ws, opts in ((cfg, w, None), (pcfg, pw, PROBE_COMPILER_OPTIONS)):  # the probe as the engine compiles it
         r = ModelRunner(c, ecfg, ws, 2)
-        r.compile(("mixed", max(ecfg.token_buckets)))
+        r.compile(("mixed", max(ecfg.token_buckets)), compiler_options=opts)
         temps.append(r.max_temp_bytes())
     # the engine reserves PROBE_MARGIN x the probe's: at least what the whole model needs
-    from jaxserve.engine.llm_engine import PROBE_MARGIN
 
     assert 0 < temps[1] <= temps[0] <= PROBE_MARGIN * temps[1], temps
 
