@@ -80,7 +80,7 @@ SWEEP = {
         # the experimental K-contiguous kernel (pallas_kmajor.py; q4k only here)
         dict(mode="kmajor", block_n=128), dict(mode="kmajor", num_warps=8, block_n=128),
         dict(mode="kmajor", splits=4), dict(mode="kmajor", splits=16), dict(mode="kmajor", num_stages=3),
-        # the experimental int8-x DP4A kernel (pallas_dp4a.py; q4k only here)
+        # the int8-x DP4A kernel (pallas_dp4a.py; q4k and q8_0, the sweep's formats)
         dict(mode="dp4a", xq="kernel"), dict(mode="dp4a", xq="kernel", block_n=64),
         dict(mode="dp4a", xq="kernel", block_k=512), dict(mode="dp4a", xq="kernel", splits=1),
         dict(mode="dp4a", xq="kernel", splits=1, block_n=16), dict(mode="dp4a", block_n=16), dict(mode="dp4a", block_n=64), dict(mode="dp4a", block_k=512),

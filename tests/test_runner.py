@@ -111,8 +111,9 @@ def test_kv_sizing_probe_has_one_layer_of_each_kind_and_the_same_temporaries():
         r.compile(("mixed", max(ecfg.token_buckets)), compiler_options=opts)
         temps.append(r.max_temp_bytes())
     # the engine reserves PROBE_MARGIN x the probe's: at least what the whole model needs
-
     assert 0 < temps[1] <= temps[0] <= PROBE_MARGIN * temps[1], temps
+    key = ("mixed", max(ecfg.token_buckets))  # a program built with options is never served as the plain one
+    assert r.compile(key) is not r.compile(key, compiler_options=PROBE_COMPILER_OPTIONS)
 
 
 def test_prompt_logprobs_in_row_chunks_are_the_same_and_need_less_memory(tmp_path, monkeypatch):
@@ -125,14 +126,14 @@ def test_prompt_logprobs_in_row_chunks_are_the_same_and_need_less_memory(tmp_pat
     prompt = [[(7 * i) % 250 + 3 for i in range(100)]]
     p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
     res, temps = {}, {}
-    for chunk in (4096, 16):  # 4096: one pass (the 128-token step), 16: 8 chunks
+    for chunk in (4096, 16):  # 4096: one pass; 16: the 130-row step (128 tokens + 2 decode rows) in 9 chunks
         monkeypatch.setattr(step_mod, "PLP_CHUNK", chunk)
         llm = LLM(str(d), max_model_len=256, max_num_seqs=2, prefill_chunk_size=128, block_size=4,
                   scan_layers=False, program_store=False)
         out = llm.generate(prompt, p)[0]
         res[chunk] = out.prompt_logprobs[1:]
         temps[chunk] = llm.engine.runner.max_temp_bytes()
-    assert len(res[16]) == 99
+    assert len(res[16]) == len(res[4096]) == 99
     for (lp_a, top_a), (lp_b, top_b) in zip(res[4096], res[16]):
         assert lp_a == pytest.approx(lp_b, abs=1e-5)
         assert [t for t, _ in top_a] == [t for t, _ in top_b]

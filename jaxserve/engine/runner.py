@@ -259,23 +259,25 @@ class ModelRunner:
         return ps.ProgramStore(os.path.join(root, "jaxserve-programs"), context)
 
     def compile(self, key, compiler_options: dict | None = None):
-        """The program of bucket `key`, compiled once. compiler_options (XLA debug options) are for a
-        program compiled only to be measured (the KV sizing probe): it is not stored."""
-        if key in self._compiled:
-            return self._compiled[key]
+        """The program of bucket `key`, compiled once. compiler_options (XLA debug options, e.g. the KV
+        sizing probe's): kept and stored under the key plus the options, never served as the plain
+        program."""
+        ckey = (*key, *(f"{k}={v}" for k, v in sorted((compiler_options or {}).items())))
+        if ckey in self._compiled:
+            return self._compiled[ckey]
         if self._frozen:
             raise RecompileError(f"program {key} is not in the compiled set {self.program_keys()}")
         t0 = time.perf_counter()
-        store, args = (None if compiler_options else self._program_store()), self._abstract_args(key)
-        exe = store.load(key, args) if store else None
+        store, args = self._program_store(), self._abstract_args(key)
+        exe = store.load(ckey, args) if store else None
         if exe is None:
             from jaxserve.engine.program_store import compile_noting_cache_hit
 
             exe, from_cache = compile_noting_cache_hit(self._fn(key).lower(*args), compiler_options)
             if store and not from_cache:
-                store.save(key, args, exe)
+                store.save(ckey, args, exe)
         self.compile_seconds += time.perf_counter() - t0
-        self._compiled[key] = exe
+        self._compiled[ckey] = exe
         return exe
 
     def warmup(self, threads: int | None = None) -> None:
@@ -287,8 +289,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         store = self._program_store()
-        # program_keys' order (small decode programs first): largest-first measured 62.4 s cold vs 59.6
-        # on the H200 (the decode programs, compiled last under contention, took 20-30 s each).
+        # program_keys' order (small decode programs first). Largest-first was tried on the H200 (62.4 s
+        # cold, decode programs compiled last took 20-30 s each); machines differed more than orders did.
         keys = [k for k in self.program_keys() if k not in self._compiled]
         # Half the cores, at most 8 (15 threads on the 16-core H200 host measured no faster: 65.0 vs
         # 63.9 s cold; the serial tracing and the one GPU's autotuning bound it).

@@ -101,12 +101,13 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
         # share the program's peak) for a rarely used feature.
         if T <= PLP_CHUNK:
             return prompt_lp_rows(hidden, inp["target_ids"])
-        n = -(-T // PLP_CHUNK)  # T is a bucket plus the decode rows: pad to whole chunks
-        pad = n * PLP_CHUNK - T
-        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, PLP_CHUNK, -1)
-        tgt = jnp.pad(inp["target_ids"], (0, pad)).reshape(n, PLP_CHUNK)
+        n = -(-T // PLP_CHUNK)  # T is a bucket plus the decode rows: n equal chunks, < n rows of padding
+        C = -(-T // n)
+        pad = n * C - T
+        h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, C, -1)
+        tgt = jnp.pad(inp["target_ids"], (0, pad)).reshape(n, C)
         outs = jax.lax.map(lambda a: prompt_lp_rows(*a), (h, tgt))
-        return tuple(o.reshape(n * PLP_CHUNK, *o.shape[2:])[:T] for o in outs)
+        return tuple(o.reshape(n * C, *o.shape[2:])[:T] for o in outs)
 
     def none():
         return (jnp.zeros((T,), jnp.float32), jnp.zeros((T, num_top), jnp.int32),
