@@ -1,0 +1,42 @@
+#!/bin/bash
+# The standard H200 measurement set (bench/RESULTS.md "session 8"), for one device-tool call each:
+#
+#   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k int4 q4k q8_0 fp8 tests-fp8
+#
+# On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
+# (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
+# its own timeout, so one slow part does not take the call's whole limit. Budget (one H200 machine):
+# startup ~75 s, bf16 ~120 s, bf16-32k ~60 s, each quantized part ~60-110 s, tests-fp8 ~75 s.
+#
+# Wheelhouse (on the CPU machine; carry ["bench/wheelhouse"] with the call):
+#   mkdir -p bench/wheelhouse && pip download -q --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform any -d bench/wheelhouse tokenizers pydantic jinja2 aiohttp psutil tqdm safetensors \
+#     pyyaml gguf pytest pytest-timeout
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --find-links bench/wheelhouse tokenizers pydantic jinja2 aiohttp psutil \
+  tqdm safetensors pyyaml gguf pytest pytest-timeout 2>&1 | tail -2
+export PYTHONPATH=$PWD
+A="--random-weights --config llama-3.1-8b"
+tp() {  # tp SECONDS ARGS...: bench/throughput.py under a timeout, per-run lines dropped
+  timeout "$1" python3 bench/throughput.py $A --runs 5 --json "$OUT/throughput.jsonl" "${@:2}" 2>&1 | grep -v "^  run"
+}
+for part in "$@"; do
+  echo "=== $part"
+  case $part in
+    startup) timeout 200 python3 bench/startup.py --model random:llama-3.1-8b --cache-dir "/tmp/jaxserve-suite-cache-$$" \
+               --runs cold,warm --json "$OUT/startup.jsonl" 2>&1 | tail -4 ;;
+    bf16) tp 200 --workloads 1x4096x256,1x128x256,32x1024x128 | tail -8 ;;
+    bf16-32k) tp 100 --workloads 1x32768x256 | tail -3 ;;
+    int4) tp 150 --workloads 1x128x512,32x1024x128 --quant int4 --int8-activations | tail -4 ;;
+    q4k) tp 100 --workloads 1x128x512 --quant q4k --int8-activations | tail -3 ;;
+    q8_0) tp 100 --workloads 1x128x512 --quant q8_0 --int8-activations | tail -3 ;;
+    fp8) tp 150 --workloads 1x128x512,32x1024x128 --quant fp8 | tail -4 ;;
+    tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
+                 tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
+    *) echo "unknown part $part (startup bf16 bf16-32k int4 q4k q8_0 fp8 tests-fp8)"; exit 2 ;;
+  esac
+done
