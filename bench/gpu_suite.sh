@@ -1,12 +1,12 @@
 #!/bin/bash
 # The standard H200 measurement set (bench/RESULTS.md "session 8"), for one device-tool call each:
 #
-#   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k int4 q4k q8_0 fp8 tests-fp8
+#   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8 tests-fp8
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
 # its own timeout, so one slow part does not take the call's whole limit. Budget (one H200 machine):
-# startup ~75 s, bf16 ~120 s, bf16-32k ~60 s, each quantized part ~60-110 s, tests-fp8 ~75 s.
+# startup ~75 s, bf16 ~120 s, bf16-32k ~60 s, bf16-256 ~150 s (not run yet), each quantized part ~60-110 s, tests-fp8 ~75 s.
 #
 # Wheelhouse (on the CPU machine; carry ["bench/wheelhouse"] with the call):
 #   mkdir -p bench/wheelhouse && pip download -q --only-binary=:all: --python-version 3.12 \
@@ -31,12 +31,13 @@ for part in "$@"; do
                --runs cold,warm --json "$OUT/startup.jsonl" 2>&1 | tail -4 ;;
     bf16) tp 200 --workloads 1x4096x256,1x128x256,32x1024x128 | tail -8 ;;
     bf16-32k) tp 100 --workloads 1x32768x256 | tail -3 ;;
+    bf16-256) tp 240 --workloads 256x1024x128 --runs 3 | tail -3 ;;  # issue 4: "256 concurrent: report"
     int4) tp 150 --workloads 1x128x512,32x1024x128 --quant int4 --int8-activations | tail -4 ;;
     q4k) tp 100 --workloads 1x128x512 --quant q4k --int8-activations | tail -3 ;;
     q8_0) tp 100 --workloads 1x128x512 --quant q8_0 --int8-activations | tail -3 ;;
     fp8) tp 150 --workloads 1x128x512,32x1024x128 --quant fp8 | tail -4 ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
-    *) echo "unknown part $part (startup bf16 bf16-32k int4 q4k q8_0 fp8 tests-fp8)"; exit 2 ;;
+    *) echo "unknown part $part (startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8 tests-fp8)"; exit 2 ;;
   esac
 done
