@@ -1,7 +1,8 @@
 #!/bin/bash
 # The standard H200 measurement set (bench/RESULTS.md "session 8"), for one device-tool call each:
 #
-#   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8 tests-fp8
+#   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
+#                                               tests-fp8 startup-noat bf16-noat
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -36,8 +37,14 @@ for part in "$@"; do
     q4k) tp 100 --workloads 1x128x512 --quant q4k --int8-activations | tail -3 ;;
     q8_0) tp 100 --workloads 1x128x512 --quant q8_0 --int8-activations | tail -3 ;;
     fp8) tp 150 --workloads 1x128x512,32x1024x128 --quant fp8 | tail -4 ;;
+    # Prepared (not run yet): what XLA's GEMM autotuning costs at start-up and buys at run time
+    startup-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 200 python3 bench/startup.py \
+               --model random:llama-3.1-8b --cache-dir "/tmp/jaxserve-suite-cache-noat-$$" --runs cold \
+               --json "$OUT/startup.jsonl" 2>&1 | tail -3 ;;
+    bf16-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" tp 200 \
+               --workloads 1x2048x1,1x4096x256,32x1024x128 | tail -5 ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
-    *) echo "unknown part $part (startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8 tests-fp8)"; exit 2 ;;
+    *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done
