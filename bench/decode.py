@@ -190,9 +190,8 @@ def main(argv=None):
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
                          "num_stages reach the prefill kernel too)")
-    ap.add_argument("--dp4a-per-sm", default="",
-                    help="LAYOUT=N,...: the int8-activation kernel's K-split target (pallas_dp4a.PER_SM), "
-                         "e.g. byte=16")
+    ap.add_argument("--dp4a-per-sm", type=int, default=None,
+                    help="the int8-activation kernel's K-split target, programs per SM (pallas_dp4a.PER_SM)")
     ap.add_argument("--norm-warps", default="",
                     help="comma list: add+RMSNorm kernel num_warps per variant (empty: the kernel's default)")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
@@ -208,11 +207,7 @@ def main(argv=None):
     if args.dp4a_per_sm:  # read when a program is traced
         from jaxserve.kernels.quant_matmul import pallas_dp4a
 
-        for kv in args.dp4a_per_sm.split(","):
-            k, v = kv.split("=")
-            if k not in pallas_dp4a.PER_SM:
-                raise SystemExit(f"--dp4a-per-sm: unknown layout {k!r} (one of {sorted(pallas_dp4a.PER_SM)})")
-            pallas_dp4a.PER_SM[k] = int(v)
+        pallas_dp4a.PER_SM = args.dp4a_per_sm
         print(f"# dp4a programs per SM: {pallas_dp4a.PER_SM}", flush=True)
     cfg = model_config(args.config)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -286,8 +281,6 @@ def main(argv=None):
     base_qmatmul = qmatmul
     for quant, spec, fuse, dgemv, f8kw, nw in variants:
         label, fn = parse_impl(spec)
-        if nw:
-            label += f" norm_warps={nw}"
         qmatmul = base_qmatmul
         if f8kw:  # FP8 kernel tuning (kernels/quant_matmul/pallas_fp8.qmatmul's keywords)
             from jaxserve.kernels.quant_matmul import pallas_triton as qpt
@@ -329,6 +322,7 @@ def main(argv=None):
         if nw and "num_warps" in inspect.signature(runner.add_norm or (lambda: 0)).parameters:
             # read when the program is traced (runner._fn); the Pallas kernel only
             runner.add_norm = functools.partial(runner.add_norm, num_warps=nw)
+            label += f" norm_warps={nw}"
         # counted from the runner's weights: --int8-activations reads the layers through the code copies
         # it attaches (a q6k LM head: 1 byte per weight instead of 0.82)
         wbytes = tree_weight_bytes(cfg, runner.weights)

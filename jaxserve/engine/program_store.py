@@ -46,7 +46,7 @@ def compile_noting_cache_hit(lowered, compiler_options: dict | None = None):
             jax.monitoring.register_event_listener(_on_event)
             _listening.append(True)
     _tls.hit = False
-    exe = lowered.compile(compiler_options=compiler_options) if compiler_options else lowered.compile()
+    exe = lowered.compile(compiler_options=compiler_options)
     return exe, _tls.hit
 
 

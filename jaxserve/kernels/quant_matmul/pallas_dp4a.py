@@ -235,19 +235,19 @@ def step_subgroups(n: int, block_k: int, sub: int) -> int:
     return S
 
 
-PER_SM = {"nibble": 8, "byte": 8}  # K-split target, programs per SM, by code layout (measured; see bench/RESULTS.md)
+PER_SM = 8  # K-split target, programs per SM (24-48 for 8-bit codes and 16 for 4-bit measured slower: RESULTS.md)
 
 
 def plan(meta: QMeta, block_n: int, block_k: int, splits, per_sm: int | None = None):
     """(column tiles, sub-groups per step S, K splits, steps per split, total steps). Without `splits`,
-    K is split until there are ~per_sm programs per SM (PER_SM[layout] by default)."""
+    K is split until there are ~per_sm programs per SM (default PER_SM)."""
     if meta.N % block_n:
         raise ValueError(f"dp4a: N={meta.N} is not a multiple of block_n={block_n}")
-    kind, sub = layout(meta)[:2]
+    sub = layout(meta)[1]
     S = step_subgroups(meta.Kp // sub, block_k, sub)
     nsteps, tiles = meta.Kp // sub // S, meta.N // block_n
     if splits is None:
-        splits = max(1, min(nsteps, -(-(per_sm or PER_SM[kind]) * NUM_SMS // tiles)))
+        splits = max(1, min(nsteps, -(-(per_sm or PER_SM) * NUM_SMS // tiles)))
     per = -(-nsteps // splits)
     return tiles, S, -(-nsteps // per), per, nsteps
 
