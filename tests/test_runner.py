@@ -67,6 +67,35 @@ def test_stored_programs_skip_tracing(tmp_path, monkeypatch):
     assert third.generate(prompt, p)[0].outputs[0].token_ids == want.token_ids
 
 
+def test_program_options_per_kind_reach_xla_and_bad_tables_are_errors(tmp_path, monkeypatch):
+    """JAXSERVE_PROGRAM_XLA_OPTIONS: each program is compiled with its kind's XLA options (here: mixed
+    programs without GEMM autotuning, decode programs plain), the engine's tokens do not change, and a
+    table naming an unknown kind or a non-XLA option is refused."""
+    from jaxserve.engine import program_store
+    from jaxserve.engine.runner import program_options_table
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    kw = dict(max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4, num_blocks=24)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(d), **kw).generate([[7, 8, 9, 10, 11]], p)[0].outputs[0].token_ids
+
+    seen = []
+    real = program_store.compile_noting_cache_hit
+    monkeypatch.setattr(program_store, "compile_noting_cache_hit",
+                        lambda lowered, opts=None: seen.append(opts) or real(lowered, opts))
+    monkeypatch.setenv("JAXSERVE_PROGRAM_XLA_OPTIONS", '{"mixed": {"xla_gpu_autotune_level": 0}}')
+    llm = LLM(str(d), **kw)
+    keys = llm.engine.runner.program_keys()
+    assert llm.generate([[7, 8, 9, 10, 11]], p)[0].outputs[0].token_ids == want
+    assert sorted(map(str, seen)) == sorted(
+        str({"xla_gpu_autotune_level": 0} if k[0] == "mixed" else None) for k in keys)
+
+    for bad in ('{"prefill": null}', '{"mixed": {"autotune": 0}}', '[1]'):
+        with pytest.raises(ValueError, match="JAXSERVE_PROGRAM_XLA_OPTIONS"):
+            program_options_table("gpu", {"JAXSERVE_PROGRAM_XLA_OPTIONS": bad})
+    assert program_options_table("cpu", {}) == {}
+
+
 def test_kv_sizing_probe_has_one_layer_of_each_kind_and_the_same_temporaries():
     """The KV-cache sizing probe (llm_engine.probe_model): the first layer of each kind, sliced from
     stacked or picked from per-layer weights; its largest step reports the same temporaries as the

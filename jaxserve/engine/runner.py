@@ -74,6 +74,29 @@ def choose_num_blocks(cfg: ModelConfig, ecfg: EngineConfig, reserved_bytes: int 
     return max(2, 1 << (share.bit_length() - 1))
 
 
+# XLA debug options per program kind on a GPU ({kind: options or None}); the environment variable
+# JAXSERVE_PROGRAM_XLA_OPTIONS (JSON, same shape) replaces the table for experiments (bench/RESULTS.md).
+GPU_PROGRAM_OPTIONS: dict = {"decode": None, "mixed": None}
+
+
+def program_options_table(platform: str, environ=os.environ) -> dict:
+    """{program kind: XLA options or None} for this platform: the GPU table above, or the JSON of
+    JAXSERVE_PROGRAM_XLA_OPTIONS (kinds and option names checked: a typo is an error, not a no-op)."""
+    raw = environ.get("JAXSERVE_PROGRAM_XLA_OPTIONS")
+    if raw is None:
+        return dict(GPU_PROGRAM_OPTIONS) if platform == "gpu" else {}
+    import json
+
+    table = json.loads(raw)
+    if not isinstance(table, dict) or set(table) - {"decode", "mixed"}:
+        raise ValueError(f"JAXSERVE_PROGRAM_XLA_OPTIONS: a JSON object keyed by 'decode'/'mixed', got {raw!r}")
+    for kind, opts in table.items():
+        if opts is not None and (not isinstance(opts, dict) or not all(
+                isinstance(k, str) and k.startswith("xla_") for k in opts)):
+            raise ValueError(f"JAXSERVE_PROGRAM_XLA_OPTIONS[{kind!r}]: an object of xla_* options or null")
+    return table
+
+
 def _is_fused(weights) -> bool:
     layers = weights["layers"]
     return "gate_up" in (layers[0] if isinstance(layers, list) else layers)
@@ -99,6 +122,7 @@ class ModelRunner:
         self.mesh = mesh
         self.num_blocks = num_blocks
         platform = jax.devices()[0].platform
+        self.program_options = program_options_table(platform)
         from jaxserve.kernels import paged_attention as pa
 
         name = attention if isinstance(attention, str) else None
@@ -255,14 +279,21 @@ class ModelRunner:
 
         kernels = ps.stable_name((self.attention, self.attention_tiled, self.add_norm, self.rope_kv,
                                   self.qmatmul))
-        context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels))
+        context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels,
+                        sorted(self.program_options.items())))
         return ps.ProgramStore(os.path.join(root, "jaxserve-programs"), context)
+
+    def _options(self, key) -> dict | None:
+        """The XLA options a served program of bucket `key` is compiled with (its kind's entry)."""
+        return self.program_options.get(key[0])
 
     def compile(self, key, compiler_options: dict | None = None):
         """The program of bucket `key`, compiled once. compiler_options (XLA debug options, e.g. the KV
         sizing probe's): kept and stored under the key plus the options, never served as the plain
-        program."""
+        program. Without them: the kind's options from the table (served as the plain program)."""
         ckey = (*key, *(f"{k}={v}" for k, v in sorted((compiler_options or {}).items())))
+        if compiler_options is None:
+            compiler_options = self._options(key)
         if ckey in self._compiled:
             return self._compiled[ckey]
         if self._frozen:
@@ -309,7 +340,7 @@ class ModelRunner:
 
         def compile_timed(k, lowered):
             t = time.perf_counter()
-            out = compile_noting_cache_hit(lowered)
+            out = compile_noting_cache_hit(lowered, self._options(k))
             times[k] = (times[k][0], time.perf_counter() - t)
             return out
 
