@@ -7,7 +7,7 @@
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
 # its own timeout, so one slow part does not take the call's whole limit. Budget (one H200 machine):
-# startup ~75 s, bf16 ~120 s, bf16-32k ~60 s, bf16-256 ~150 s (not run yet), each quantized part ~60-110 s, tests-fp8 ~75 s.
+# startup ~75 s, bf16 ~120 s, bf16-32k ~60 s, bf16-256 ~150 s, each quantized part ~60-110 s, tests-fp8 ~75 s.
 #
 # Wheelhouse (on the CPU machine; carry ["bench/wheelhouse"] with the call):
 #   mkdir -p bench/wheelhouse && pip download -q --only-binary=:all: --python-version 3.12 \
@@ -37,7 +37,7 @@ for part in "$@"; do
     q4k) tp 100 --workloads 1x128x512 --quant q4k --int8-activations | tail -3 ;;
     q8_0) tp 100 --workloads 1x128x512 --quant q8_0 --int8-activations | tail -3 ;;
     fp8) tp 150 --workloads 1x128x512,32x1024x128 --quant fp8 | tail -4 ;;
-    # Prepared (not run yet): what XLA's GEMM autotuning costs at start-up and buys at run time
+    # What XLA's GEMM autotuning costs at start-up and buys at run time (measured: RESULTS.md session 9)
     startup-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 200 python3 bench/startup.py \
                --model random:llama-3.1-8b --cache-dir "/tmp/jaxserve-suite-cache-noat-$$" --runs cold \
                --json "$OUT/startup.jsonl" 2>&1 | tail -3 ;;

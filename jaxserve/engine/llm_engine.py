@@ -287,8 +287,9 @@ class _Launched:
 
 
 PROBE_MARGIN = 1.25  # the KV sizing probe's temporaries, scaled (see LLMEngine.__init__)
-# The probe is compiled only for its memory analysis: no GEMM autotuning (it sat on the start-up's
-# critical path; the chosen kernels' workspaces differ by far less than PROBE_MARGIN's quarter).
+# The probe is compiled only for its memory analysis: the served mixed program's options without GEMM
+# autotuning (it sat on the start-up's critical path; the chosen kernels' workspaces differ by far less
+# than PROBE_MARGIN's quarter).
 PROBE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
@@ -359,7 +360,8 @@ class LLMEngine:
             t = time.perf_counter()
             pcfg, pweights = probe_model(lm.cfg, lm.weights)
             probe = ModelRunner(pcfg, ecfg, pweights, 2, attention=attention, mesh=lm.mesh, rules=lm.rules)
-            probe.compile(("mixed", max(ecfg.token_buckets)), compiler_options=PROBE_COMPILER_OPTIONS)
+            probe.compile(("mixed", max(ecfg.token_buckets)),
+                          compiler_options={**(probe.program_options.get("mixed") or {}), **PROBE_COMPILER_OPTIONS})
             reserved = int(probe.max_temp_bytes() * PROBE_MARGIN)
             del probe, pweights
             log.info("KV sizing probe: %.1fs; %.2f GiB reserved for temporaries", time.perf_counter() - t,

@@ -75,8 +75,11 @@ def choose_num_blocks(cfg: ModelConfig, ecfg: EngineConfig, reserved_bytes: int 
 
 
 # XLA debug options per program kind on a GPU ({kind: options or None}); the environment variable
-# JAXSERVE_PROGRAM_XLA_OPTIONS (JSON, same shape) replaces the table for experiments (bench/RESULTS.md).
-GPU_PROGRAM_OPTIONS: dict = {"decode": None, "mixed": None}
+# JAXSERVE_PROGRAM_XLA_OPTIONS (JSON, same shape) replaces the table for experiments. Mixed (prefill)
+# programs run their GEMMs in cuBLAS: H200, Llama-8B shape, prefill 35.3k/33.5k tok/s at 2,048/4,096
+# tokens vs 35.5k/33.3k with XLA's Triton GEMMs, whose autotuning took 20-30 s per program at start-up
+# (bench/RESULTS.md, session 9). Decode programs keep Triton GEMVs: cuBLAS measured -9% there.
+GPU_PROGRAM_OPTIONS: dict = {"decode": None, "mixed": {"xla_gpu_enable_triton_gemm": False}}
 
 
 def program_options_table(platform: str, environ=os.environ) -> dict:
