@@ -68,7 +68,8 @@ def main(argv=None):
     ap.add_argument("--workloads", default="1x2048x1,32x1024x128")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk / step token budget")
     ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's)")
+    ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's); "
+                    "keyword options as in decode.py: pallas_triton:fused_merge=1")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quant", default="none",
@@ -117,7 +118,12 @@ def main(argv=None):
     print(f"# KV cache: {need_blocks} blocks, {need_blocks * kv_bytes_per_block(lm.cfg, ecfg) / 2**30:.1f} GiB",
           flush=True)
     # Programs compile on first use (the warm-up run), not the whole default bucket set.
-    eng = LLMEngine(lm, engine_config=ecfg, attention=args.attention, warmup=False)
+    attention = args.attention
+    if attention and ":" in attention:  # 'pallas_triton:fused_merge=1': keyword options, as in decode.py
+        from bench.decode import parse_impl
+
+        attention = parse_impl(attention)[1]
+    eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
     llm = LLM.from_engine(eng)
     rng = np.random.default_rng(0)
     rows = []

@@ -20,6 +20,20 @@ IMPLS = {"reference": ref.paged_attention,
                                                       num_splits=3, block_k=16, split_min_tiles=1),
          "pallas_triton_prefill": lambda *a, **k: _jit(ptri.paged_attention, a, k, mode="prefill",
                                                        block_q=4, block_k=16)}
+
+
+def _fused_decode(q, kc, vc, layer, *rest, **kw):
+    """The decode kernel whose last split merges (fused_merge, through the step's zeroed counter):
+    same contract; the counter must come back zero (the next layer's call reuses it)."""
+    f = jax.jit(lambda q, kc, vc, sem, *rest: ptri.paged_attention(
+        q, kc, vc, layer, *rest, **kw, mode="decode", num_splits=3, block_k=16, split_min_tiles=1,
+        fused_merge=True, sem=sem))
+    out, sem = f(q, kc, vc, jnp.zeros((q.shape[0] + 2, kc.shape[3]), jnp.int32), *rest)
+    assert not np.asarray(sem).any(), np.asarray(sem)
+    return out
+
+
+IMPLS["pallas_triton_decode_fused"] = _fused_decode
 if jax.devices()[0].platform == "cpu":  # the native CPU kernel (an XLA FFI call built at first use)
     from jaxserve.kernels.paged_attention import cpu_native
 
@@ -202,3 +216,83 @@ def test_cpu_native_is_the_custom_call_not_the_fallback():
     args = (c["q"], c["k_cache"], c["v_cache"], c["tables"], c["token_seq"], c["positions"])
     assert target in f.lower(*args).as_text()
     np.testing.assert_allclose(np.asarray(f(*args)), np.asarray(_oracle(c, 0.5, 0, None)), atol=TOL)
+
+
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_fused_merge_through_the_unrolled_decoder(layout):
+    """The step's split counter threaded through every layer (transformer.forward_hidden): decode-only
+    and mixed token layouts give the decoder's hidden states and caches of the merge-kernel path, and
+    the fused kernel is what ran."""
+    import functools
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.kernels import paged_attention as pa
+    from jaxserve.loader.materialize import random_weights
+    from jaxserve.models import transformer as tf
+
+    cfg = ModelConfig(arch="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+    w = tf.unstack_layers(random_weights(cfg, jnp.float32, jax.random.PRNGKey(0), 0.2))
+    consts = {k: jnp.asarray(v) for k, v in tf.layer_constants(cfg).items()}
+    BS = 4
+    shape = (cfg.num_layers, 32, BS, cfg.num_kv_heads, cfg.head_dim)
+    rng = np.random.default_rng(7)
+    kv0 = (jnp.asarray(rng.standard_normal(shape), jnp.float32), jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    # 8 blocks (32 keys) per sequence: contexts 30 and 21 take 2 key tiles of 16 (two splits merged)
+    tables = np.zeros((4, 8), np.int32)
+    tables[:3] = rng.permutation(np.arange(1, 32))[:24].reshape(3, 8)
+    slot = lambda s, pos: int(tables[s, pos // BS]) * BS + pos % BS
+    tables = jnp.asarray(tables)
+    if layout == "decode":  # two decode tokens and one padding slot
+        batch = dict(token_ids=[5, 250, 0], positions=[29, 20, 0], token_seq=[0, 1, 3],
+                     slots=[slot(0, 29), slot(1, 20), 0])
+    else:  # two decode slots, then a 5-token prompt chunk of sequence 2
+        batch = dict(token_ids=[5, 250, 7, 8, 9, 10, 11], positions=[29, 20, 0, 1, 2, 3, 4],
+                     token_seq=[0, 1, 2, 2, 2, 2, 2], slots=[slot(0, 29), slot(1, 20)] + [slot(2, i) for i in range(5)])
+    batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+    batch["block_tables"] = tables
+    if layout == "mixed":
+        batch["decode_slots"] = 2
+    outs = []
+    for fused in (False, True):
+        dec = functools.partial(ptri.paged_attention, mode="decode", num_splits=4, block_k=16,
+                                split_min_tiles=1, fused_merge=fused)
+        assert (pa.decode_state(dec, 3, 2) is not None) == fused
+        att = dec if layout == "decode" else (dec, functools.partial(ptri.paged_attention, mode="prefill"))
+        fn = jax.jit(lambda w, kv: tf.forward_hidden(cfg, w, consts, kv, batch, scan_layers=False,
+                                                     attention=att))
+        assert ("_fused" in str(jax.make_jaxpr(fn)(w, kv0))) == fused
+        outs.append(fn(w, kv0))
+    np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=1e-5, atol=1e-5)
+    assert len(outs[1][1]) == 2  # the counter does not leave the step
+    for a, b in zip(outs[1][1], outs[0][1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert pa.decode_state(ref.paged_attention, 3, 2) is None
+
+
+def test_fused_merge_through_the_engine(tmp_path):
+    """LLMEngine with a partial of the Pallas attention (fused_merge on; interpreted on CPU; unrolled
+    layers as on a GPU): its prompt chunks take the Pallas tiled kernel too, and greedy tokens and
+    logprobs equal the merge-kernel engine's."""
+    import functools
+
+    from hf_tiny import make_tiny_model
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.engine.llm_engine import LLMEngine
+    from tiny_tokenizer import add_byte_tokenizer
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    prompts = [[5 + i for i in range(20)], [200, 100, 50]]
+    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    res = []
+    for fused in (False, True):
+        att = functools.partial(ptri.paged_attention, num_splits=4, block_k=16, split_min_tiles=1,
+                                fused_merge=fused)
+        eng = LLMEngine(str(d), engine_config=dict(max_model_len=48, max_num_seqs=2, prefill_chunk_size=16,
+                                                   block_size=4, num_blocks=32, scan_layers=False),
+                        attention=att)
+        assert eng.runner.attention_tiled.func is ptri.paged_attention
+        outs = LLM.from_engine(eng).generate(prompts, p)
+        res.append(([o.outputs[0].token_ids for o in outs], [[lp for lp, _ in o.outputs[0].logprobs] for o in outs]))
+    assert res[0][0] == res[1][0]
+    np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-5)

@@ -133,8 +133,14 @@ class ModelRunner:
             name = name or pa.default_for(platform, one_device=mesh is None)
             attention = pa.get(name)
         self.attention = attention
-        # Prompt chunks of mixed steps go through the tiled variant (reference when a custom
-        # callable was given).
+        # Prompt chunks of mixed steps go through the tiled variant of the same implementation (a
+        # benchmark's functools.partial of one counts as it; reference for any other callable).
+        base = attention
+        while isinstance(base, partial):
+            base = base.func
+        mod = getattr(base, "__module__", "") or ""
+        if name is None and mod.startswith(pa.__name__ + "."):
+            name = mod.rsplit(".", 1)[1]
         self.attention_tiled = pa.get_tiled(name or "reference", ecfg.attn_tile)
         self.scan_layers = platform == "cpu" if ecfg.scan_layers is None else ecfg.scan_layers
         # Fused residual add + RMSNorm: one kernel instead of XLA's 2-3 per norm on a GPU (one device:

@@ -28,6 +28,22 @@ def default_for(platform: str, *, one_device: bool = True) -> str:
     return registry.default_for(platform)
 
 
+def decode_state(fn, num_tokens: int, num_kv_heads: int):
+    """The per-step state `fn` wants threaded through the layers' decode calls (as `sem=`), or None:
+    pallas_triton's split counter when its decode kernel merges its own splits (a partial of that
+    module's paged_attention with fused_merge on). Never imports Pallas for other implementations."""
+    import functools
+    import sys
+
+    base = fn
+    while isinstance(base, functools.partial):
+        base = base.func
+    mod = sys.modules.get(getattr(base, "__module__", ""))
+    if mod is None or not hasattr(mod, "decode_state") or mod.__name__ == __name__:
+        return None
+    return mod.decode_state(fn, num_tokens, num_kv_heads)
+
+
 def get(name: str):
     if name == "cpu_native":  # CPU-only, outside the shared reference/Pallas registry
         from jaxserve.kernels.paged_attention import cpu_native
