@@ -178,8 +178,10 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
         if fused:
             # Flash-decoding merge by the last of the token's splits to finish ("last block" pattern):
             # every thread's partial stores are done (CTA barrier) before one thread's acq_rel atomic
-            # counts this split; the split that counts last reads all partials (past L1) and resets
-            # the counter for the next layer's call.
+            # counts this split; the split that counts last reads all partials (plain loads after
+            # that acquire and Triton's barrier broadcasting its result: CUTLASS's serial split-K
+            # semaphore pattern) and resets the counter for the next layer's call. (Pallas' '.cg'
+            # load modifier does not lower in jax 0.10: KeyError.)
             if not interpret:
                 _triton().debug_barrier()
             done = _triton().atomic_add(sem_ref, (t, h), jnp.int32(1))
@@ -188,11 +190,10 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
             def _():
                 sem_ref[t, h] = jnp.int32(0)
                 for gi in range(G):  # static: G real heads, one [P, Dp] merge each
-                    _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, gi, h * G + gi, p_eff, P=P,
-                                cache=None if interpret else ".cg")
+                    _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, gi, h * G + gi, p_eff, P=P)
 
 
-def _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, g, hq, p_eff, *, P, cache=None):
+def _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, g, hq, p_eff, *, P):
     """Output row of query head hq (head g of KV head h) of token t: its p_eff splits' partials merged,
     all loaded at once ([Pp, Dp]; a loop over splits is latency-bound: ~1 us per split); splits past
     p_eff were never written and are not read."""
@@ -200,7 +201,7 @@ def _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, g, hq, p_eff, *, P, cache=No
     p = jnp.arange(Pp)
     used = p < p_eff
     pc = jnp.minimum(p, P - 1)
-    ld = functools.partial(_triton().load, cache_modifier=cache)
+    ld = _triton().load
     m = ld(m_ref.at[t, h, pc, g], mask=used, other=_INIT_M)
     w = jnp.where(used, jnp.exp(m - jnp.max(m)), 0.0)
     lsum = jnp.sum(w * ld(l_ref.at[t, h, pc, g], mask=used, other=0.0))
