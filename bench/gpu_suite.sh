@@ -2,7 +2,7 @@
 # The standard H200 measurement set (bench/RESULTS.md "session 8"), for one device-tool call each:
 #
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
-#                                               tests-fp8 startup-noat bf16-noat fused
+#                                               tests-fp8 startup-noat bf16-noat fused fuse-act
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -48,6 +48,11 @@ for part in "$@"; do
     fused) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_paged_attention.py 2>&1 | tail -2
            tp 200 --workloads 1x4096x256,1x128x256,1x32768x256 --attention pallas_triton:fused_merge=1 | tail -5
            tp 150 --workloads 1x128x512 --quant int4 --int8-activations --attention pallas_triton:fused_merge=1 | tail -3 ;;
+    # Prepared (session 9, not run yet): the int8 down matmul takes the gate/up partials and applies
+    # the activation itself (pallas_dp4a.FUSE_ACT), A/B on one machine, device-only and serial engine.
+    fuse-act) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -x tests/test_quant_matmul.py -k "dp4a or gated" 2>&1 | tail -2
+              for f in "" --dp4a-fuse-act; do timeout 150 python3 bench/decode.py $A --attention pallas_triton --contexts 0 \
+                --runs 5 --quant int4,q8_0 --int8-activations $f 2>&1 | tail -3; done ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;

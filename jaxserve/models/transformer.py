@@ -129,8 +129,10 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     down_split = split_sums and not cfg.sandwich_norms
     native_down = isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
     if "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
-        # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
-        m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
+        # act(g) * u inside the down matmul's kernel (kernels/dense_gemv, or the int8 kernel taking the
+        # gate/up partials: pallas_dp4a): one or two kernels fewer
+        gu = linear(h, w["gate_up"], qmm, split_out=getattr(qmm, "act_takes_split", False))
+        m = qmm(gu, w["down"], act=cfg.hidden_act, split_out=down_split)
     else:
         if "gate_up" in w:
             g, u = jnp.split(linear(h, w["gate_up"], qmm), 2, axis=-1)
