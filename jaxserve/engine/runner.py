@@ -38,6 +38,13 @@ class RecompileError(RuntimeError):
 def setup_compilation_cache(path: str | None) -> None:
     path = path or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
     os.makedirs(path, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir not in (None, path):
+        # JAX opens its cache once per process: a later engine with another directory would still
+        # read and write the first one while the program store used the new one (and skipped every
+        # program JAX's cache supplied). Reopen it at the new directory.
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
