@@ -270,7 +270,7 @@ def test_fused_merge_through_the_unrolled_decoder(layout):
     assert pa.decode_state(ref.paged_attention, 3, 2) is None
 
 
-def test_fused_merge_through_the_engine(tmp_path):
+def test_fused_merge_through_the_engine(tmp_path, monkeypatch):
     """LLMEngine with a partial of the Pallas attention (fused_merge on; interpreted on CPU; unrolled
     layers as on a GPU): its prompt chunks take the Pallas tiled kernel too, and greedy tokens and
     logprobs equal the merge-kernel engine's."""
@@ -281,6 +281,9 @@ def test_fused_merge_through_the_engine(tmp_path):
     from jaxserve.engine.llm_engine import LLMEngine
     from tiny_tokenizer import add_byte_tokenizer
 
+    calls = []
+    real = ptri._decode_call
+    monkeypatch.setattr(ptri, "_decode_call", lambda *a, **k: calls.append(k.get("sem") is not None) or real(*a, **k))
     d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
     prompts = [[5 + i for i in range(20)], [200, 100, 50]]
     p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
@@ -288,11 +291,39 @@ def test_fused_merge_through_the_engine(tmp_path):
     for fused in (False, True):
         att = functools.partial(ptri.paged_attention, num_splits=4, block_k=16, split_min_tiles=1,
                                 fused_merge=fused)
+        calls.clear()
         eng = LLMEngine(str(d), engine_config=dict(max_model_len=48, max_num_seqs=2, prefill_chunk_size=16,
-                                                   block_size=4, num_blocks=32, scan_layers=False),
+                                                   block_size=4, num_blocks=32, scan_layers=False,
+                                                   program_store=False, compile_cache_dir=str(tmp_path / "c")),
                         attention=att)
         assert eng.runner.attention_tiled.func is ptri.paged_attention
+        assert calls and set(calls) == {fused}  # every traced decode call took the step's counter (or none)
         outs = LLM.from_engine(eng).generate(prompts, p)
         res.append(([o.outputs[0].token_ids for o in outs], [[lp for lp, _ in o.outputs[0].logprobs] for o in outs]))
     assert res[0][0] == res[1][0]
     np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-5)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "cpu", reason="races need a GPU: the interpreter runs splits in order")
+def test_fused_merge_under_contention_on_the_gpu():
+    """Many (token, KV head) counters with 16 splits each, five calls in a row through the one counter
+    the previous call handed back: the same outputs as the merge kernel, bit for bit (same partials,
+    same merge order), and the counter zero at the end."""
+    rng = np.random.default_rng(9)
+    T, H, KV, D, BS, NB = 48, 32, 8, 128, 16, 2048
+    kc = jnp.asarray(rng.standard_normal((1, NB, BS, KV, D)), jnp.bfloat16)
+    vc = jnp.asarray(rng.standard_normal((1, NB, BS, KV, D)), jnp.bfloat16)
+    MB = 64
+    tables = jnp.asarray(rng.permutation(NB)[: (T + 1) * MB].reshape(T + 1, MB), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, MB * BS, T), jnp.int32)
+    seq = jnp.arange(T, dtype=jnp.int32)
+    kw = dict(scale=0.09, mode="decode", num_splits=16, split_min_tiles=1)
+    plain = jax.jit(lambda q: ptri.paged_attention(q, kc, vc, 0, tables, seq, pos, **kw))
+    fused = jax.jit(lambda q, sem: ptri.paged_attention(q, kc, vc, 0, tables, seq, pos, fused_merge=True, sem=sem,
+                                                        **kw), donate_argnums=(1,))
+    sem = jnp.zeros((T, KV), jnp.int32)
+    for i in range(5):
+        q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.bfloat16)
+        out, sem = fused(q, sem)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain(q), np.float32))
+    assert not np.asarray(sem).any()

@@ -347,8 +347,9 @@ def test_dp4a_takes_the_gated_mlp_input(fmt, act, parts):
         dp.qmatmul(x, qw, qk, act=act, **dict(kw, xq="xla"))
     # the engine entry point: this kernel for <= 2 rows, else the input first and the usual route
     w1 = dp.attach({"w": qw[1]})["w"]
-    got = dp.engine_qmatmul(x, w1, act=act, block_n=32, block_k=64, interpret=INTERPRET)
-    np.testing.assert_allclose(np.asarray(got, np.float64), y, rtol=1e-6, atol=1e-6)
+    route = lambda x: dp.engine_qmatmul(x, w1, act=act, block_n=32, block_k=64, interpret=INTERPRET)  # noqa: E731
+    assert f"_{act}{max(parts, 1)}" in str(jax.make_jaxpr(route)(x))  # the kernel took [g | u] itself
+    np.testing.assert_allclose(np.asarray(route(x), np.float64), y, rtol=1e-6, atol=1e-6)
     x3 = jnp.concatenate([xin, xin[:1]]) if parts else None
     if x3 is not None:
         g3 = jnp.concatenate([x.total(), x.total()[:1]])

@@ -75,7 +75,9 @@ def test_program_options_per_kind_reach_xla_and_bad_tables_are_errors(tmp_path, 
     from jaxserve.engine.runner import program_options_table
 
     d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
-    kw = dict(max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4, num_blocks=24)
+    # no program store (it would hand back programs without compiling), a cache of its own
+    kw = dict(max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4, num_blocks=24,
+              program_store=False, compile_cache_dir=str(tmp_path / "cache"))
     p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     want = LLM(str(d), **kw).generate([[7, 8, 9, 10, 11]], p)[0].outputs[0].token_ids
 

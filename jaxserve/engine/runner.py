@@ -91,7 +91,8 @@ GPU_PROGRAM_OPTIONS: dict = {"decode": None, "mixed": {"xla_gpu_enable_triton_ge
 
 def program_options_table(platform: str, environ=os.environ) -> dict:
     """{program kind: XLA options or None} for this platform: the GPU table above, or the JSON of
-    JAXSERVE_PROGRAM_XLA_OPTIONS (kinds and option names checked: a typo is an error, not a no-op)."""
+    JAXSERVE_PROGRAM_XLA_OPTIONS (kinds and the xla_ prefix checked here; XLA refuses unknown option
+    names when it compiles)."""
     raw = environ.get("JAXSERVE_PROGRAM_XLA_OPTIONS")
     if raw is None:
         return dict(GPU_PROGRAM_OPTIONS) if platform == "gpu" else {}
@@ -308,7 +309,7 @@ class ModelRunner:
         sizing probe's): kept and stored under the key plus the options, never served as the plain
         program. Without them: the kind's options from the table (served as the plain program)."""
         ckey = (*key, *(f"{k}={v}" for k, v in sorted((compiler_options or {}).items())))
-        if compiler_options is None:
+        if not compiler_options:
             compiler_options = self._options(key)
         if ckey in self._compiled:
             return self._compiled[ckey]

@@ -415,7 +415,8 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
         bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
         if (qk is not None and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0
                 and takes_act_input(x, qw.meta) and kw.get("xq", "kernel") == "kernel"):
-            return qmatmul(x, qw, qk, split_out=split_out, act=act, **dict(kw, xq="kernel"))
+            own = {k: v for k, v in kw.items() if not k.startswith("imma_")}
+            return qmatmul(x, qw, qk, split_out=split_out, act=act, **dict(own, xq="kernel"))
         xin = gemv_input(total(x), act)
         if not isinstance(qw, QWeight):
             return xin @ qw
