@@ -192,9 +192,6 @@ def main(argv=None):
                          "num_stages reach the prefill kernel too)")
     ap.add_argument("--dp4a-per-sm", type=int, default=None,
                     help="the int8-activation kernel's K-split target, programs per SM (pallas_dp4a.PER_SM)")
-    ap.add_argument("--dp4a-fuse-act", action="store_true",
-                    help="the int8-activation down matmul takes the gate/up split-K partials and applies the "
-                         "MLP activation itself (pallas_dp4a.FUSE_ACT; an experiment)")
     ap.add_argument("--norm-warps", default="",
                     help="comma list: add+RMSNorm kernel num_warps per variant (empty: the kernel's default)")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
@@ -207,11 +204,6 @@ def main(argv=None):
 
     from jaxserve.loader.materialize import random_weights
 
-    if args.dp4a_fuse_act:  # read when a runner is built
-        from jaxserve.kernels.quant_matmul import pallas_dp4a
-
-        pallas_dp4a.FUSE_ACT = True
-        print("# dp4a: the down matmul takes the gate/up partials and applies the activation", flush=True)
     if args.dp4a_per_sm:  # read when a program is traced
         from jaxserve.kernels.quant_matmul import pallas_dp4a
 
@@ -233,13 +225,8 @@ def main(argv=None):
 
             kw = dict(kv.split("=") for kv in reduce[0].split(",")) if reduce else {}  # MODE:MAX_M:K=V,...
             kw = {k: int(v) if v.isdigit() else v for k, v in kw.items()}
-            if mode == "kmajor":
-                qmatmul = functools.partial(pallas_kmajor.qmatmul_with_copy, decode_max_m=int(max_m), **kw)
-            else:  # fuse_act=1: the down matmul takes the gate/up partials and applies the activation
-                fuse_act = kw.pop("fuse_act", 0)
-                qmatmul = (pallas_dp4a.engine_qmatmul_fused_act(max_m=int(max_m), **kw) if fuse_act else
-                           functools.partial(pallas_dp4a.engine_qmatmul, max_m=int(max_m), **kw))
-                qmatmul.takes_split_out = True  # as the engine's own (a partial does not carry it)
+            qmatmul = (functools.partial(pallas_kmajor.qmatmul_with_copy, decode_max_m=int(max_m), **kw)
+                       if mode == "kmajor" else functools.partial(pallas_dp4a.engine_qmatmul, max_m=int(max_m), **kw))
         else:
             qmatmul = functools.partial(qpt.qmatmul, decode_mode=mode, decode_max_m=int(max_m),
                                         **({"reduce": reduce[0]} if reduce else {}))

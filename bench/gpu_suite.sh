@@ -2,12 +2,12 @@
 # The standard H200 measurement set (bench/RESULTS.md "session 8"), for one device-tool call each:
 #
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
-#                                               tests-fp8 startup-noat bf16-noat fused fuse-act
+#                                               tests-fp8 startup-noat bf16-noat
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
 # its own timeout, so one slow part does not take the call's whole limit. Budget (one H200 machine):
-# startup ~75 s, bf16 ~120 s, fused ~350 s, bf16-32k ~60 s, bf16-256 ~150 s, each quantized part ~60-110 s, tests-fp8 ~75 s.
+# startup ~75 s, bf16 ~120 s, bf16-32k ~60 s, bf16-256 ~150 s, each quantized part ~60-110 s, tests-fp8 ~75 s.
 #
 # Wheelhouse (on the CPU machine; carry ["bench/wheelhouse"] with the call):
 #   mkdir -p bench/wheelhouse && pip download -q --only-binary=:all: --python-version 3.12 \
@@ -43,16 +43,6 @@ for part in "$@"; do
                --json "$OUT/startup.jsonl" 2>&1 | tail -3 ;;
     bf16-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" tp 200 \
                --workloads 1x2048x1,1x4096x256,32x1024x128 | tail -5 ;;
-    # Prepared (session 9, not run yet): the decode kernel's splits merged by the last split (no merge
-    # kernel); compare with the bf16 / int4 parts in the same call. GPU tests first (atomics, barrier).
-    fused) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_paged_attention.py 2>&1 | tail -2
-           tp 200 --workloads 1x4096x256,1x128x256,1x32768x256 --attention pallas_triton:fused_merge=1 | tail -5
-           tp 150 --workloads 1x128x512 --quant int4 --int8-activations --attention pallas_triton:fused_merge=1 | tail -3 ;;
-    # Prepared (session 9, not run yet): the int8 down matmul takes the gate/up partials and applies
-    # the activation itself (pallas_dp4a.FUSE_ACT), A/B on one machine, device-only and serial engine.
-    fuse-act) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -x tests/test_quant_matmul.py -k "dp4a or gated" 2>&1 | tail -2
-              for f in "" --dp4a-fuse-act; do timeout 150 python3 bench/decode.py $A --attention pallas_triton --contexts 0 \
-                --runs 5 --quant int4,q8_0 --int8-activations $f 2>&1 | tail -3; done ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;

@@ -69,7 +69,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk / step token budget")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's); "
-                    "keyword options as in decode.py: pallas_triton:fused_merge=1")
+                    "keyword options as in decode.py: pallas_triton:num_splits=16")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quant", default="none",
@@ -119,7 +119,7 @@ def main(argv=None):
           flush=True)
     # Programs compile on first use (the warm-up run), not the whole default bucket set.
     attention = args.attention
-    if attention and ":" in attention:  # 'pallas_triton:fused_merge=1': keyword options, as in decode.py
+    if attention and ":" in attention:  # 'pallas_triton:num_splits=16': keyword options, as in decode.py
         from bench.decode import parse_impl
 
         attention = parse_impl(attention)[1]

@@ -315,51 +315,6 @@ def test_dp4a_kernel(fmt, M, block_k, xq):
         np.testing.assert_allclose(np.asarray(ys.total()), y, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt,act,parts", [("int4", "silu", 2), ("q4k", "gelu_tanh", 3), ("q8_0", "silu", 1),
-                                             ("q6k", "silu", 0)])
-def test_dp4a_takes_the_gated_mlp_input(fmt, act, parts):
-    """With `act`, the int8 kernel's x is the down projection's [g | u] — the gate/up matmul's output
-    or its split-K partials (a SplitSum of `parts` unequal parts; 0: a plain bf16 array) — and each
-    program computes act(g) * u for the rows it reads: the same function as the kernel given
-    dense_gemv's gemv_input of the total (2-row x, a stacked weight, several K splits); the engine
-    entry point routes it there, and computes the input first where the kernel does not apply."""
-    from jaxserve.kernels.dense_gemv.reference import gemv_input
-    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
-    from jaxserve.kernels.split_sum import SplitSum
-
-    K, M = 512, 2
-    qw = _weight(fmt, k=K, n=64, layers=2)
-    qk = dp.repack(qw)
-    rng = np.random.default_rng(11)
-    if parts:
-        p = rng.standard_normal((parts, M, 2 * K)) * rng.uniform(0.2, 1.5, (parts, 1, 1))
-        x = SplitSum(jnp.asarray(p, jnp.float32), jnp.bfloat16)
-    else:
-        x = jnp.asarray(rng.standard_normal((M, 2 * K)), jnp.bfloat16)
-    xin = gemv_input(x.total() if parts else x, act)
-    kw = dict(layer=1, block_n=32, block_k=64, xq="kernel", interpret=INTERPRET)
-    y = np.asarray(dp.qmatmul(x, qw, qk, act=act, **kw), np.float64)
-    want = np.asarray(dp.qmatmul(xin, qw, qk, **kw), np.float64)
-    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
-    _check(y, _oracle(np.asarray(dp.x_hat(xin.astype(jnp.float32), dp.layout(qw.meta)[1]), np.float64), qw, 1),
-           rtol=4e-3)  # the output is bf16
-    with pytest.raises(ValueError, match="act needs"):
-        dp.qmatmul(x, qw, qk, act=act, **dict(kw, xq="xla"))
-    # the engine entry point: this kernel for <= 2 rows, else the input first and the usual route
-    w1 = dp.attach({"w": qw[1]})["w"]
-    route = lambda x: dp.engine_qmatmul(x, w1, act=act, block_n=32, block_k=64, interpret=INTERPRET)  # noqa: E731
-    assert f"_{act}{max(parts, 1)}" in str(jax.make_jaxpr(route)(x))  # the kernel took [g | u] itself
-    np.testing.assert_allclose(np.asarray(route(x), np.float64), y, rtol=1e-6, atol=1e-6)
-    x3 = jnp.concatenate([xin, xin[:1]]) if parts else None
-    if x3 is not None:
-        g3 = jnp.concatenate([x.total(), x.total()[:1]])
-        np.testing.assert_allclose(np.asarray(dp.engine_qmatmul(g3, w1, act=act, interpret=INTERPRET), np.float64),
-                                   np.asarray(dp.engine_qmatmul(x3, w1, interpret=INTERPRET), np.float64), rtol=1e-6)
-    dense = jnp.asarray(rng.standard_normal((K, 8)), jnp.bfloat16)
-    np.testing.assert_allclose(np.asarray(dp.engine_qmatmul(x, dense, act=act), np.float32),
-                               np.asarray(xin @ dense, np.float32), rtol=1e-6)
-
-
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4"])
 @pytest.mark.parametrize("M", [3, 17])
 def test_imma_kernel(fmt, M):
@@ -509,48 +464,3 @@ def test_fp8_kernel_hardware_gate():
     if INTERPRET:  # a CPU: the runner keeps q0 there
         assert f8.for_device(w, "bfloat16") is w
     assert f8.for_device(w, "float32") is w  # f32 compute keeps the exact float-code kernels everywhere
-
-
-def test_dp4a_fused_act_through_the_decoder():
-    """The unrolled decoder with the int8 kernel taking the gate/up partials and the activation
-    (engine_qmatmul_fused_act; K split in two so the partials are a SplitSum) computes the decoder of a
-    matmul that applies the activation first (dense_gemv's gemv_input of the total) — the fused kernel
-    is what ran."""
-    import functools
-
-    from jaxserve.config import ModelConfig
-    from jaxserve.kernels.dense_gemv.reference import gemv_input
-    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
-    from jaxserve.kernels.split_sum import total
-    from jaxserve.loader.materialize import random_weights
-    from jaxserve.models import transformer as tf
-    from jaxserve.quant.qweight import QWeight
-
-    cfg = ModelConfig(arch="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0)
-    w = random_weights(cfg, jnp.float32, jax.random.PRNGKey(0), 0.2)
-    w["layers"] = {k: (jax.device_put(isq.quantize(np.asarray(v), "q4_0")) if v.ndim == 3 else v)
-                   for k, v in w["layers"].items()}
-    w = dp.attach(tf.fuse_projections(tf.unstack_layers(w)))
-    assert isinstance(w["layers"][0]["gate_up"], QWeight)
-    consts = {k: jnp.asarray(v) for k, v in tf.layer_constants(cfg).items()}
-    shape = (cfg.num_layers, 8, 4, cfg.num_kv_heads, cfg.head_dim)
-    rng = np.random.default_rng(0)
-    kv0 = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
-    batch = {"token_ids": jnp.asarray([5, 250], jnp.int32), "positions": jnp.asarray([3, 6], jnp.int32),
-             "token_seq": jnp.asarray([0, 1], jnp.int32), "slots": jnp.asarray([7, 14], jnp.int32),
-             "block_tables": jnp.asarray([[1, 0], [2, 3], [0, 0]], jnp.int32)}
-
-    def act_first(x, qw, act=None, split_out=False):
-        x = gemv_input(total(x), act) if act else x
-        return dp.engine_qmatmul(x, qw, block_k=32, split_out=split_out, interpret=INTERPRET)
-
-    act_first.takes_split_out = act_first.takes_act = act_first.act_takes_split = True
-    fused = dp.engine_qmatmul_fused_act(block_k=32, interpret=INTERPRET)
-    outs = []
-    for qmm in (act_first, fused):
-        fn = jax.jit(functools.partial(tf.forward_hidden, cfg, consts=consts, batch=batch, scan_layers=False,
-                                       qmm=qmm))
-        assert ("_silu2" in str(jax.make_jaxpr(fn)(w, kv=kv0))) == (qmm is fused)
-        outs.append(fn(w, kv=kv0))
-    np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=1e-5, atol=1e-5)

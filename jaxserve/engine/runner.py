@@ -252,7 +252,7 @@ class ModelRunner:
                         "(q4_0/q4_1/q5_0/q5_1/q4k/q5k/q6k/q8_0/int4/int8); no effect")
         elif platform == "cpu":
             log.warning("int8_activations on CPU runs the Pallas interpreter: slow, for tests only")
-        self.qmatmul = pallas_dp4a.engine_qmatmul_fused_act() if pallas_dp4a.FUSE_ACT else pallas_dp4a.engine_qmatmul
+        self.qmatmul = pallas_dp4a.engine_qmatmul
         return weights
 
     # ------------------------------------------------------------------ programs

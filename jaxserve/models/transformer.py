@@ -20,7 +20,6 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels.dense_gemv import activation
-from jaxserve.kernels.paged_attention import decode_state as attn_decode_state
 from jaxserve.kernels.paged_attention import reference as attn_ref
 from jaxserve.kernels.quant_matmul import cpu_native
 from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
@@ -106,22 +105,16 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
     kw = dict(scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
     args = (k_cache, v_cache, c["index"], batch["block_tables"])
-    # kv's third entry, when the step made one: the decode kernel's split counter (see forward_hidden)
-    sem = kv[2] if len(kv) > 2 else None
-    skw = {} if sem is None else {"sem": sem}
     D = batch.get("decode_slots")
     if D is None:
-        o = attention(q, *args, batch["token_seq"], batch["positions"], **kw, **skw)
-        if sem is not None:
-            o, sem = o
+        o = attention(q, *args, batch["token_seq"], batch["positions"], **kw)
     else:
         # Runner layout: D single-token slots first (per-token keys), then prompt chunks aligned to
         # query tiles (keys gathered once per tile).
         attention, tiled = attention
-        od = attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw, **skw)
-        if sem is not None:
-            od, sem = od
-        o = jnp.concatenate([od, tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
+        o = jnp.concatenate([
+            attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
+            tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
     o = linear(o.reshape(T, H * hd), w["o"], qmm, split_out=split_sums and not cfg.sandwich_norms)
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
@@ -129,10 +122,8 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     down_split = split_sums and not cfg.sandwich_norms
     native_down = isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
     if "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
-        # act(g) * u inside the down matmul's kernel (kernels/dense_gemv, or the int8 kernel taking the
-        # gate/up partials: pallas_dp4a): one or two kernels fewer
-        gu = linear(h, w["gate_up"], qmm, split_out=getattr(qmm, "act_takes_split", False))
-        m = qmm(gu, w["down"], act=cfg.hidden_act, split_out=down_split)
+        # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
+        m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
     else:
         if "gate_up" in w:
             g, u = jnp.split(linear(h, w["gate_up"], qmm), 2, axis=-1)
@@ -141,7 +132,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         m = linear(_act(cfg, g) * u, w["down"], qmm, split_out=down_split)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
-    return x, m, (k_cache, v_cache) + (() if sem is None else (sem,))
+    return x, m, (k_cache, v_cache)
 
 
 def unstack_layers(weights) -> dict:
@@ -259,19 +250,12 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         # feeding the Pallas calls their layer index, window and RoPE table.
         static_consts = layer_constants(cfg)
         resid = None
-        # A decode kernel that merges its splits itself counts them in one zeroed buffer per step,
-        # threaded through the layers (each call leaves it zero again); see pallas_triton.decode_state.
-        dec = attention[0] if isinstance(attention, tuple) else attention
-        D = batch.get("decode_slots")
-        sem = attn_decode_state(dec, x.shape[0] if D is None else D, cfg.num_kv_heads)
-        kv = tuple(kv) + (() if sem is None else (sem,))
         for i in range(cfg.num_layers):
             # Per-layer arrays (see unstack_layers): slicing a stacked weight inside the on-device
             # decode loop makes XLA copy it every step.
             w = layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
             c = {k: np.asarray(v[i]) for k, v in static_consts.items()}
             x, resid, kv = block(x, resid, w, c, kv, arrays)
-        kv = kv[:2]
     return add_norm(x, resid, weights["final_norm"], cfg.rms_norm_eps)[1], kv
 
 

@@ -28,22 +28,6 @@ def default_for(platform: str, *, one_device: bool = True) -> str:
     return registry.default_for(platform)
 
 
-def decode_state(fn, num_tokens: int, num_kv_heads: int):
-    """The per-step state `fn` wants threaded through the layers' decode calls (as `sem=`), or None:
-    pallas_triton's split counter when its decode kernel merges its own splits (its paged_attention,
-    or a partial of it, with fused_merge on). Never imports Pallas for other implementations."""
-    import functools
-    import sys
-
-    base = fn
-    while isinstance(base, functools.partial):
-        base = base.func
-    name = getattr(base, "__module__", "")
-    if name != __name__ + ".pallas_triton" or name not in sys.modules:
-        return None
-    return sys.modules[name].decode_state(fn, num_tokens, num_kv_heads)
-
-
 def get(name: str):
     if name == "cpu_native":  # CPU-only, outside the shared reference/Pallas registry
         from jaxserve.kernels.paged_attention import cpu_native

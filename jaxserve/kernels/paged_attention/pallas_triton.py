@@ -14,10 +14,7 @@ Two kernels, both reading the cache in place through the block table (no gather 
   token's own position (flash-decoding), so bs=1 at long context still fills the GPU. Partial
   (m, l, acc) per split (real heads only) are merged by a second small kernel (`_merge_kernel`, one
   program per token and query head) that writes the output. Correct for any token layout: every token
-  is handled on its own. With `fused_merge` and a step counter `sem` (decode_state; threaded through
-  the layers by transformer.forward_hidden) there is no second kernel: each split counts itself with
-  an atomic add after storing its partials, and the token's last split merges them (and zeroes the
-  counter for the next layer).
+  is handled on its own.
 * prefill / mixed (`_prefill_call`): one program per (query tile, KV head). A query tile is up to BQ
   consecutive tokens of one run of the same sequence; its rows are BQ tokens x G heads (GQA packed
   into the M dimension of the dot), causal/window masks are per row. Tile starts are computed in jnp
@@ -47,10 +44,7 @@ NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 # arguments of paged_attention): fewest key tiles per split, keys per tile (None: from the head
 # size), warps, pipeline stages. split_min_tiles=1 measured on the H200 (Llama-8B bs1, context
 # 4096): 197.8 tok/s vs 192.7 with 4; 32k unchanged.
-# fused_merge: the last split of a token merges the partials (decode_state's counter) instead of a
-# second kernel; off until measured on a GPU (prepared in session 9: bench/RESULTS.md).
-DECODE_TUNING = MappingProxyType(dict(split_min_tiles=1, block_k=None, num_warps=4, num_stages=2,
-                                      fused_merge=False))
+DECODE_TUNING = MappingProxyType(dict(split_min_tiles=1, block_k=None, num_warps=4, num_stages=2))
 
 
 def _pow2(n: int) -> int:
@@ -126,13 +120,9 @@ def _online_update(carry, s, v):
 
 
 # ---------------------------------------------------------------------------------------------- decode
-def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k_ref, v_ref, *refs,
-                   scale, softcap, G, Gp, D, Dp, BS, MB, N, P, min_tiles, fused, interpret):
+def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k_ref, v_ref,
+                   o_ref, m_ref, l_ref, *, scale, softcap, G, Gp, D, Dp, BS, MB, N, P, min_tiles):
     t, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if fused:  # sem_in aliases sem: one buffer
-        _, o_ref, m_ref, l_ref, out_ref, sem_ref = refs
-    else:
-        o_ref, m_ref, l_ref = refs
     layer = layer_ref[0]
     window = window_ref[0]
     seq = seq_ref[t]
@@ -157,16 +147,6 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
         s = jnp.where(ok[None, :], s, -jnp.inf)
         return _online_update(carry, s, v)
 
-    g = jnp.arange(Gp)
-    real = g < G
-    d = jnp.arange(Dp)
-    st = _triton().store
-
-    def store_partials(m, l, acc):
-        st(o_ref.at[t, h, p, g[:, None], d[None, :]], acc, mask=jnp.broadcast_to(real[:, None], (Gp, Dp)))
-        st(m_ref.at[t, h, p, g], m, mask=real)
-        st(l_ref.at[t, h, p, g], l, mask=real)
-
     # Splits past p_eff write nothing (the merge never reads them): short contexts move no partials.
     # Only the G real heads are stored: the padded rows of the group are masked off (own addresses).
     @pl.when(p < p_eff)
@@ -174,33 +154,29 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
         init = (jnp.full((Gp,), _INIT_M, jnp.float32), jnp.zeros((Gp,), jnp.float32),
                 jnp.zeros((Gp, Dp), jnp.float32))
         m, l, acc = lax.fori_loop(a, b, body, init)
-        store_partials(m, l, acc)
-        if fused:
-            # Flash-decoding merge by the last of the token's splits to finish ("last block" pattern):
-            # every thread's partial stores are done (CTA barrier) before one thread's acq_rel atomic
-            # counts this split; the split that counts last reads all partials (plain loads after
-            # that acquire and Triton's barrier broadcasting its result: CUTLASS's serial split-K
-            # semaphore pattern) and resets the counter for the next layer's call. (Pallas' '.cg'
-            # load modifier does not lower in jax 0.10: KeyError.)
-            if not interpret:
-                _triton().debug_barrier()
-            done = _triton().atomic_add(sem_ref, (t, h), jnp.int32(1))
-
-            @pl.when(done == p_eff - 1)
-            def _():
-                sem_ref[t, h] = jnp.int32(0)
-                for gi in range(G):  # static: G real heads, one [P, Dp] merge each
-                    _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, gi, h * G + gi, p_eff, P=P)
+        g = jnp.arange(Gp)
+        real = g < G
+        d = jnp.arange(Dp)
+        st = _triton().store
+        st(o_ref.at[t, h, p, g[:, None], d[None, :]], acc, mask=jnp.broadcast_to(real[:, None], (Gp, Dp)))
+        st(m_ref.at[t, h, p, g], m, mask=real)
+        st(l_ref.at[t, h, p, g], l, mask=real)
 
 
-def _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, g, hq, p_eff, *, P):
-    """Output row of query head hq (head g of KV head h) of token t: its p_eff splits' partials merged,
-    all loaded at once ([Pp, Dp]; a loop over splits is latency-bound: ~1 us per split); splits past
-    p_eff were never written and are not read."""
-    Pp = _pow2(P)
+def _merge_kernel(window_ref, pos_ref, o_ref, m_ref, l_ref, out_ref, *, G, N, P, Pp, min_tiles):
+    """One program per (token, query head): the flash-decoding merge of the token's p_eff splits, all
+    splits loaded at once ([Pp, Dp]; a loop over splits is latency-bound: ~1 us per split), written as
+    the head's output row in its dtype. One kernel instead of XLA's ~6 small reductions + a slice per
+    layer. Splits past p_eff were never written: their loads are masked to zero weight. (Untried
+    next step: let unused splits store m = _INIT_M so the loads need not wait on p_eff.)"""
+    t, hq = pl.program_id(0), pl.program_id(1)
+    h, g = hq // G, hq % G
+    p_eff = _split_plan(pos_ref[t], window_ref[0], N=N, P=P, min_tiles=min_tiles)[-1]
     p = jnp.arange(Pp)
     used = p < p_eff
     pc = jnp.minimum(p, P - 1)
+    # Masked loads: splits past p_eff are not read at all (a short context reads one split's row,
+    # not all P: at context 0 the unmasked version spent 6 us a call on them on the H200).
     ld = _triton().load
     m = ld(m_ref.at[t, h, pc, g], mask=used, other=_INIT_M)
     w = jnp.where(used, jnp.exp(m - jnp.max(m)), 0.0)
@@ -209,17 +185,7 @@ def _merge_head(o_ref, m_ref, l_ref, out_ref, t, h, g, hq, p_eff, *, P):
     o = ld(o_ref.at[t, h, pc[:, None], g, jnp.arange(Dp)[None, :]],
            mask=jnp.broadcast_to(used[:, None], (Pp, Dp)), other=0.0)
     out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(lsum > 0, lsum, 1.0)
-    out_ref[t, hq, :] = out.astype(out_ref.dtype)
-
-
-def _merge_kernel(window_ref, pos_ref, o_ref, m_ref, l_ref, out_ref, *, G, N, P, min_tiles):
-    """One program per (token, query head): the flash-decoding merge of the token's p_eff splits (see
-    _merge_head), written as the head's output row in its dtype. One kernel instead of XLA's ~6 small
-    reductions + a slice per layer. (At context 0 an unmasked version spent 6 us a call on the H200
-    reading all P splits.)"""
-    t, hq = pl.program_id(0), pl.program_id(1)
-    p_eff = _split_plan(pos_ref[t], window_ref[0], N=N, P=P, min_tiles=min_tiles)[-1]
-    _merge_head(o_ref, m_ref, l_ref, out_ref, t, hq // G, hq % G, hq, p_eff, P=P)
+    out_ref[...] = out.astype(out_ref.dtype)
 
 
 def _split_plan(pos, window, *, N, P, min_tiles):
@@ -234,9 +200,7 @@ def _split_plan(pos, window, *, N, P, min_tiles):
 
 
 def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions, window, *, scale,
-                 softcap, num_splits, block_k, num_warps, num_stages, interpret, min_tiles=4, sem=None):
-    """Decode attention; with `sem` (int32 [>= T, KV], all zero) the splits merge themselves (no second
-    kernel) and (out, sem) is returned, sem all zero again."""
+                 softcap, num_splits, block_k, num_warps, num_stages, interpret, min_tiles=4):
     T, H, D = q.shape
     L, NB, BS, KV, _ = k_cache.shape
     S, MB = block_tables.shape
@@ -249,47 +213,33 @@ def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
         want = _pow2(-(-2 * NUM_SMS // max(1, T * KV)))
         num_splits = max(1, min(want, 64, max_tiles))
     P = int(num_splits)
-    fused = sem is not None
-    if fused and (sem.shape[0] < T or sem.shape[1] != KV or sem.dtype != jnp.int32):
-        raise ValueError(f"decode attention: sem must be int32 [>= {T}, {KV}], got {sem.dtype} {sem.shape}")
 
     kernel = functools.partial(_decode_kernel, scale=float(scale), softcap=softcap, G=G, Gp=Gp, D=D,
-                               Dp=Dp, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles, fused=fused,
-                               interpret=bool(interpret))
+                               Dp=Dp, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles)
     full = pl.BlockSpec()
     cp = None if interpret else _compiler_params(num_warps, num_stages)
     # Partials [T, KV, P, Gp, Dp] / [T, KV, P, Gp] f32; only the real heads' rows of used splits are
     # written (and read).
-    out_shape = [jax.ShapeDtypeStruct((T, KV, P, Gp, Dp), jnp.float32),
-                 jax.ShapeDtypeStruct((T, KV, P, Gp), jnp.float32),
-                 jax.ShapeDtypeStruct((T, KV, P, Gp), jnp.float32)]
-    args = (layer, window, block_tables, token_seq, positions, q, k_cache, v_cache)
-    if fused:
-        out_shape += [jax.ShapeDtypeStruct((T, H, Dp), q.dtype), jax.ShapeDtypeStruct(sem.shape, sem.dtype)]
-        args += (sem,)
-    res = pl.pallas_call(
+    o, m, l = pl.pallas_call(
         kernel,
         grid=(T, KV, P),
-        in_specs=[full] * len(args),
-        out_specs=[full] * len(out_shape),
-        out_shape=out_shape,
-        input_output_aliases={8: 4} if fused else {},
+        in_specs=[full] * 8,
+        out_specs=[full] * 3,
+        out_shape=[jax.ShapeDtypeStruct((T, KV, P, Gp, Dp), jnp.float32),
+                   jax.ShapeDtypeStruct((T, KV, P, Gp), jnp.float32),
+                   jax.ShapeDtypeStruct((T, KV, P, Gp), jnp.float32)],
         interpret=interpret,
         compiler_params=cp,
-        name=f"paged_decode_G{Gp}_N{N}_P{P}" + ("_fused" if fused else ""),
-    )(*args)
-    if fused:
-        out, sem = res[3], res[4]
-        return (out if Dp == D else out[..., :D]), sem
-    o, m, l = res
+        name=f"paged_decode_G{Gp}_N{N}_P{P}",
+    )(layer, window, block_tables, token_seq, positions, q, k_cache, v_cache)
 
-    merge = functools.partial(_merge_kernel, G=G, N=N, P=P, min_tiles=min_tiles)
     Pp = _pow2(P)
+    merge = functools.partial(_merge_kernel, G=G, N=N, P=P, Pp=Pp, min_tiles=min_tiles)
     out = pl.pallas_call(
         merge,
         grid=(T, H),
         in_specs=[full] * 5,
-        out_specs=full,
+        out_specs=pl.BlockSpec((None, None, Dp), lambda t, h: (t, h, 0)),
         out_shape=jax.ShapeDtypeStruct((T, H, Dp), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(4 if Pp * Dp <= 8192 else 8, 1),
@@ -396,11 +346,8 @@ def _prefill_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions
 def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positions, *, scale,
                     window=0, softcap=None, mode=None, interpret=None, num_splits=None,
                     block_q=None, block_k=None, num_warps=None, num_stages=None,
-                    split_min_tiles=None, fused_merge=None, sem=None):
+                    split_min_tiles=None):
     """q [T, H, hd] -> [T, H, hd]; see the module docstring. mode: None (auto), 'decode', 'prefill'.
-
-    sem (int32 [>= T, KV], zero; see decode_state): then (out, sem) is returned, and with fused_merge
-    (default DECODE_TUNING's) the decode kernel's splits merge themselves through it (no merge kernel).
 
     Tuning (static): num_splits (decode; default from the SM count), split_min_tiles (decode: fewest
     key tiles per split), block_q (prefill: tokens per tile; rows = block_q x padded group), block_k
@@ -418,35 +365,14 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positio
         mode = "decode" if T <= block_tables.shape[0] else "prefill"
     softcap = float(softcap) if softcap else None
     args = (q, k_cache, v_cache, layer, block_tables, token_seq, positions, window)
-    fuse = sem is not None and (DECODE_TUNING["fused_merge"] if fused_merge is None else fused_merge)
     if mode == "decode":
         d = DECODE_TUNING
-        out = _decode_call(*args, scale=scale, softcap=softcap, num_splits=num_splits,
-                           block_k=block_k or d["block_k"], num_warps=num_warps or d["num_warps"],
-                           num_stages=num_stages or d["num_stages"], interpret=interpret,
-                           min_tiles=split_min_tiles or d["split_min_tiles"], sem=sem if fuse else None)
-    elif mode == "prefill":
-        out = _prefill_call(*args, scale=scale, softcap=softcap, block_q=block_q, block_k=block_k,
-                            num_warps=num_warps or 4, num_stages=num_stages or 2,
-                            interpret=interpret)
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
-    if sem is None or (fuse and mode == "decode"):
-        return out
-    return out, sem
-
-
-def decode_state(fn, num_tokens: int, num_kv_heads: int):
-    """The zeroed int32 [num_tokens, num_kv_heads] counter a step hands to every layer's decode call
-    when `fn` (this module's paged_attention, or a partial of it) merges its splits in the decode
-    kernel; None otherwise. One per step: each call leaves it zero for the next layer."""
-    kw = {}
-    while isinstance(fn, functools.partial):
-        kw = {**fn.keywords, **kw}
-        fn = fn.func
-    if fn is not paged_attention:
-        return None
-    on = kw.get("fused_merge")
-    if not (DECODE_TUNING["fused_merge"] if on is None else on):
-        return None
-    return jnp.zeros((num_tokens, num_kv_heads), jnp.int32)
+        return _decode_call(*args, scale=scale, softcap=softcap, num_splits=num_splits,
+                            block_k=block_k or d["block_k"], num_warps=num_warps or d["num_warps"],
+                            num_stages=num_stages or d["num_stages"], interpret=interpret,
+                            min_tiles=split_min_tiles or d["split_min_tiles"])
+    if mode == "prefill":
+        return _prefill_call(*args, scale=scale, softcap=softcap, block_q=block_q, block_k=block_k,
+                             num_warps=num_warps or 4, num_stages=num_stages or 2,
+                             interpret=interpret)
+    raise ValueError(f"unknown mode {mode!r}")

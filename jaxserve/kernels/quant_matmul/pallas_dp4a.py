@@ -39,9 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.kernels.dense_gemv.reference import act_f32, gemv_input
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors
-from jaxserve.kernels.split_sum import SplitSum, add_parts, total
+from jaxserve.kernels.split_sum import SplitSum, add_parts
 from jaxserve.quant.qweight import QMeta, QWeight, codes, leaf_names
 
 MAX_M = 4
@@ -173,28 +172,7 @@ def _quantize_tile(tiles):
     return words, dx, tot.astype(f32) * dx
 
 
-def _act_tiles(v, m, ss, kind, act, parts, xdt):
-    """x tiles of row m at sub-groups ss when x is the down projection's [g | u] input (view [P, M, 2,
-    Kp/sub, ...]: P split-K parts of the gate/up matmul, or P = 1): the parts added in split_sum's
-    order and rounded to x's dtype, then act(g) * u rounded to it (= dense_gemv's gemv_input of the
-    total), as the kernel's x."""
-    f32 = jnp.float32
-    halves = (0, 1) if kind == "nibble" else (None,)
-    tiles = []
-    for hh in halves:
-        gu = []
-        for j in (0, 1):
-            acc = None
-            for p in range(parts):
-                t = v[p, m, j, ss, :, hh, :] if hh is not None else v[p, m, j, ss, :, :]
-                acc = t.astype(f32) if acc is None else acc + t.astype(f32)
-            gu.append(acc.astype(xdt).astype(f32))
-        tiles.append((act_f32(act, gu[0]) * gu[1]).astype(xdt))
-    return tiles
-
-
-def _kernel(layer_ref, *refs, names, meta, M, bn, S, per, nsteps, zp, xq, interpret, act=None, parts=0,
-            xdt=None):
+def _kernel(layer_ref, *refs, names, meta, M, bn, S, per, nsteps, zp, xq, interpret):
     kind, sub, _ = layout(meta)
     nw = 2 if kind == "nibble" else 1  # x word tensors
     o_ref = refs[-1]
@@ -212,12 +190,7 @@ def _kernel(layer_ref, *refs, names, meta, M, bn, S, per, nsteps, zp, xq, interp
         ss = pl.ds(i * S, S)
         if xq == "kernel":
             v = xrefs[0]
-            if act is not None:
-                tiles = _act_tiles(v, m, ss, kind, act, parts, xdt)
-            elif kind == "nibble":
-                tiles = [v[m, ss, :, 0, :], v[m, ss, :, 1, :]]
-            else:
-                tiles = [v[m, ss, :, :]]
+            tiles = [v[m, ss, :, 0, :], v[m, ss, :, 1, :]] if kind == "nibble" else [v[m, ss, :, :]]
             words, dx, sx = _quantize_tile(tiles)
         else:
             words, dx, sx = [r[m, ss, :] for r in xrefs[:nw]], xrefs[nw][m, ss], xrefs[nw + 1][m, ss]
@@ -283,10 +256,7 @@ def prepare(x, qw: QWeight, qk, layer, supported, what: str):
     """Argument handling shared with pallas_kmajor's experiment (kernels over a code copy): (x2 [M, K],
     factor names, factor leaves, qk, layer int32 [1]), unstacked weights given a layer axis."""
     meta = qw.meta
-    if hasattr(x, "reshape"):
-        x2 = x.reshape(-1, x.shape[-1])
-    else:  # a ShapeDtypeStruct standing in for an x the kernel builds itself (qmatmul's act)
-        x2 = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    x2 = x.reshape(-1, x.shape[-1])
     if not supported(meta, x2.shape[0]):
         raise ValueError(f"{what}: unsupported {meta.fmt} bits={meta.bits} Kp={meta.Kp} group={meta.group} "
                          f"M={x2.shape[0]}")
@@ -297,52 +267,30 @@ def prepare(x, qw: QWeight, qk, layer, supported, what: str):
     return x2, names, leaves, qk, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def takes_act_input(x, meta: QMeta) -> bool:
-    """Whether qmatmul can take x = [g | u] (array or SplitSum) with `act` for this weight: K unpadded."""
-    return layout(meta) is not None and x.shape[-1] == 2 * meta.K and meta.K == meta.Kp
-
-
 def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=None, per_sm=None, num_warps=4,
-            num_stages=3, xq="xla", split_out=False, act=None, interpret=None):
+            num_stages=3, xq="xla", split_out=False, interpret=None):
     """x [..., K] @ W [K, N] with int8-quantized x and W's codes from qk (`repack`); factors from qw.
     xq: where x is rounded to int8: 'xla' (quantize_x, its own XLA ops before the kernel) or
     'kernel' (every program rounds the part of x it reads: no extra launches). split_out: with more
-    than one K split, return the partial sums as a SplitSum for a consumer kernel to add. act (with
-    xq='kernel'): x is the gated MLP's [..., 2K] = [g | u] (or a SplitSum of it: the gate/up matmul's
-    partials) and the matmul's input is act(g) * u, computed by each program for the rows it reads
-    (dense_gemv.reference.gemv_input of x's total: no add-parts or activation kernel before it)."""
+    than one K split, return the partial sums as a SplitSum for a consumer kernel to add."""
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
     if xq not in ("xla", "kernel"):
         raise ValueError(f"dp4a: xq must be 'xla' or 'kernel', not {xq!r}")
-    if act is not None and (xq != "kernel" or not takes_act_input(x, meta)):
-        raise ValueError(f"dp4a: act needs xq='kernel' and x [..., 2K] with K = Kp = {meta.Kp}, got "
-                         f"xq={xq!r}, x {x.shape}")
-    gu = x
-    if act is not None:  # shapes and argument checks of the plain call, on a stand-in of x's shape
-        x = jax.ShapeDtypeStruct((*x.shape[:-1], meta.K), gu.dtype)
     x2, names, leaves, qk, layer = prepare(x, qw, qk, layer, supports, "dp4a")
     M = x2.shape[0]
-    parts = 0
-    if act is not None:
-        kind, sub, words = layout(meta)
-        pv = gu.parts if isinstance(gu, SplitSum) else gu[None]
-        parts = pv.shape[0]
-        tail = (words, 2, 4) if kind == "nibble" else (words, 4)
-        xs = (pv.reshape(parts, M, 2, meta.Kp // sub, *tail),)
-    elif xq == "kernel":
-        xp = jnp.pad(x2, ((0, 0), (0, meta.Kp - x2.shape[1])))
+    xp = jnp.pad(x2, ((0, 0), (0, meta.Kp - x2.shape[1])))
+    if xq == "kernel":
         xs = (x_views(xp, meta),)
     else:
-        xp = jnp.pad(x2, ((0, 0), (0, meta.Kp - x2.shape[1])))
         words, dx, sx = quantize_x(xp, meta)
         xs = (*words, dx, sx)
     bn = int(block_n)
     tiles, S, splits, per, nsteps = plan(meta, bn, int(block_k), splits, per_sm)
     zp = 0 if meta.offset == "zero" else meta.zp
     kernel = functools.partial(_kernel, names=names, meta=meta, M=M, bn=bn, S=S, per=per, nsteps=nsteps, zp=zp,
-                               xq=xq, interpret=interpret, act=act, parts=parts, xdt=jnp.dtype(x.dtype))
+                               xq=xq, interpret=interpret)
     cp = None
     if not interpret:
         from jaxserve.kernels.quant_matmul.pallas_triton import _compiler_params
@@ -354,8 +302,7 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
     odt = x.dtype if splits == 1 else jnp.float32
     out = pl.pallas_call(kernel, grid=(tiles, splits), in_specs=[full] * len(args), out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
-                         compiler_params=cp,
-                         name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}_{xq}" + (f"_{act}{parts}" if act else ""))(*args)
+                         compiler_params=cp, name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}_{xq}")(*args)
     if splits == 1:
         return out[0].reshape(*x.shape[:-1], meta.N)
     if split_out:
@@ -398,29 +345,16 @@ def _copy_of(qw: QWeight):
 
 
 def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool = False, imma_max_m: int = 0,
-                   act: str | None = None, **kw):
+                   **kw):
     """The runner's quantized matmul with int8_activations: up to max_m rows of x on a weight carrying
     the copy (`attach`) take this kernel (x rounded in the kernel unless kw says otherwise; split_out:
     its split-K partials may come back as a SplitSum); imma_max_m > max_m: up to that many rows of a
     4-bit weight take pallas_imma's integer tensor-core kernel over the same copy (an experiment, off
     by default; imma_<name>=v passes its keyword arguments); everything else the platform's default
-    quantized matmul. act (transformer's gated MLP): x is [g | u] (or the gate/up matmul's SplitSum)
-    and the input is act(g) * u — computed inside this kernel where it applies, else first (any
-    weight, dense too)."""
+    quantized matmul."""
     from jaxserve.kernels import quant_matmul
 
     M = math.prod(x.shape[:-1])
-    if act is not None:
-        qk = _copy_of(qw) if isinstance(qw, QWeight) else None
-        bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
-        if (qk is not None and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0
-                and takes_act_input(x, qw.meta) and kw.get("xq", "kernel") == "kernel"):
-            own = {k: v for k, v in kw.items() if not k.startswith("imma_")}
-            return qmatmul(x, qw, qk, split_out=split_out, act=act, **dict(own, xq="kernel"))
-        xin = gemv_input(total(x), act)
-        if not isinstance(qw, QWeight):
-            return xin @ qw
-        return engine_qmatmul(xin, qw, max_m=max_m, split_out=split_out, imma_max_m=imma_max_m, **kw)
     kw = dict(kw)
     imma_kw = {k[5:]: kw.pop(k) for k in list(kw) if k.startswith("imma_")}  # e.g. imma_block_n=128
     kw.setdefault("xq", "kernel")
@@ -438,19 +372,3 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
 
 
 engine_qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum
-
-
-FUSE_ACT = False  # the runner takes engine_qmatmul_fused_act() instead (bench/decode.py --dp4a-fuse-act)
-
-
-def engine_qmatmul_fused_act(**kw):
-    """engine_qmatmul that also takes the down projection's input as the gate/up matmul's SplitSum
-    with the activation's name (qmatmul's `act`: no add-parts + SiLU-multiply kernel between them).
-    An experiment, not the engine's default until measured on a GPU (bench/decode.py
-    --int8-activations --dp4a-fuse-act, or --qmm-decode dp4a:2:fuse_act=1; offline sm_90 SASS: 506 -> 717 loop instructions per step of the
-    int4 down matmul, x read as four f32 parts per row by every column tile)."""
-    mm = functools.partial(engine_qmatmul, **kw)
-    mm.takes_split_out = True
-    mm.takes_act = True  # transformer.decoder_layer hands it [g | u] and act=...
-    mm.act_takes_split = True  # ... and asks the gate/up matmul for its SplitSum
-    return mm
