@@ -2,7 +2,8 @@
 # The standard H200 measurement set (bench/RESULTS.md "session 8"), for one device-tool call each:
 #
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
-#                                               tests-fp8 startup-noat bf16-noat
+#                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
+#                                               per-sm-ab tests-attn
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -43,6 +44,20 @@ for part in "$@"; do
                --json "$OUT/startup.jsonl" 2>&1 | tail -3 ;;
     bf16-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" tp 200 \
                --workloads 1x2048x1,1x4096x256,32x1024x128 | tail -5 ;;
+    # Decode steps per dispatch (session 10): the server's default is 4, the figures above use 8.
+    ksteps) tp 300 --workloads 1x4096x256,1x128x256,32x1024x128 --decode-steps 4,8,16 | tail -11
+            tp 150 --workloads 1x128x512 --quant int4 --int8-activations --decode-steps 4,8,16 | tail -5 ;;
+    # Fewer K splits for the int8 kernel (fewer partials for the norm kernels to add; session 10),
+    # then where an int4 step goes now (per-kernel table).
+    dp4a-split) for s in 4 6 8; do timeout 100 python3 bench/decode.py $A --attention pallas_triton --contexts 0 \
+                  --runs 5 --quant int4,q8_0 --int8-activations --dp4a-per-sm $s 2>&1 | tail -2; done
+                timeout 100 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 1 --quant int4 \
+                  --int8-activations --profile 1 2>&1 | tail -40 ;;
+    # The same through LLM.generate, interleaved on one machine (session 10)
+    per-sm-ab) for q in int4 q8_0; do tp 200 --workloads 1x128x512 --quant $q --int8-activations \
+                 --dp4a-per-sm 4,8,4,8 | tail -6; done ;;
+    tests-attn) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q tests/test_paged_attention.py \
+                  tests/test_rms_norm.py tests/test_rope_kv.py 2>&1 | tail -2 ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;

@@ -67,7 +67,10 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
     ap.add_argument("--workloads", default="1x2048x1,32x1024x128")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk / step token budget")
-    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--decode-steps", default="8",
+                    help="decode steps per dispatch; a comma list (4,8,16) runs every workload at each, "
+                         "on one engine whose decode program allows the largest (its loop count is a "
+                         "run-time value)")
     ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's); "
                     "keyword options as in decode.py: pallas_triton:num_splits=16")
     ap.add_argument("--dtype", default="bfloat16")
@@ -77,6 +80,10 @@ def main(argv=None):
     ap.add_argument("--int8-activations", action="store_true", help="the engine's int8_activations option")
     ap.add_argument("--async-scheduling", default="on",
                     help="comma list of on/off: run every workload with the engine's async scheduling so")
+    ap.add_argument("--dp4a-per-sm", default=None,
+                    help="comma list (4,8,4,8): with --int8-activations, a fresh engine per value of the "
+                         "int8 kernel's K-split target (pallas_dp4a.PER_SM, read when programs trace), "
+                         "same weights; interleave values for an A/B on one machine")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     args = ap.parse_args(argv)
 
@@ -87,9 +94,10 @@ def main(argv=None):
     from jaxserve.engine.sampling_params import SamplingParams
 
     wls = parse_workloads(args.workloads)
+    ks = [int(k) for k in str(args.decode_steps).split(",")]
     dev = jax.devices()[0]
     print(f"# jax {jax.__version__} on {dev.device_kind}; {args.config} random {args.dtype}; chunk "
-          f"{args.chunk}; K={args.decode_steps}; median of {args.runs}", flush=True)
+          f"{args.chunk}; K={','.join(map(str, ks))}; median of {args.runs}", flush=True)
     t = time.perf_counter()
     if args.quant == "none":
         lm = random_model(args.config, dtype=args.dtype)
@@ -111,7 +119,7 @@ def main(argv=None):
     seq_buckets = tuple(sorted({1, *(n for n, _, _ in wls)}))
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_n, prefill_chunk_size=args.chunk,
                         token_buckets=(args.chunk,), seq_buckets=seq_buckets, dtype=args.dtype,
-                        decode_steps=args.decode_steps, enable_prefix_cache=False, num_blocks=1,
+                        decode_steps=max(ks), enable_prefix_cache=False, num_blocks=1,
                         int8_activations=args.int8_activations)
     need_blocks = max_n * -(-max_len // ecfg.block_size) + 2
     ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
@@ -123,13 +131,22 @@ def main(argv=None):
         from bench.decode import parse_impl
 
         attention = parse_impl(attention)[1]
-    eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
-    llm = LLM.from_engine(eng)
     rng = np.random.default_rng(0)
     rows = []
     modes = [m == "on" for m in args.async_scheduling.split(",")]
-    for mode, (n, i, o) in [(m, w) for m in modes for w in wls]:
+    per_sms = [int(v) for v in args.dp4a_per_sm.split(",")] if args.dp4a_per_sm else [None]
+    eng = tag = None
+    for ps, k, mode, (n, i, o) in [(p, k, m, w) for p in per_sms for k in ks for m in modes for w in wls]:
+        if eng is None or (ps is not None and tag != ps):
+            if ps is not None:
+                from jaxserve.kernels.quant_matmul import pallas_dp4a
+
+                pallas_dp4a.PER_SM, tag = ps, ps
+            eng = llm = None  # the previous engine's KV cache goes before the next one's is made
+            eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
+            llm = LLM.from_engine(eng)
         eng.ecfg = eng.ecfg.replace(async_scheduling=mode)  # read by LLMEngine.step only
+        eng.scheduler.cfg = eng.scheduler.cfg.replace(decode_steps=k)  # the scheduler picks K per step
         params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
         runs = []
         for r in range(args.runs + 1):
@@ -144,7 +161,9 @@ def main(argv=None):
             print(f"  run {r}: prefill {tp - t0:.3f}s, decode {t1 - tp:.3f}s", flush=True)
         pre = statistics.median(x[0] for x in runs)
         dec = statistics.median(x[1] for x in runs)
-        row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync"), chunk=args.chunk, decode_steps=args.decode_steps,
+        row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
+                   + (f" per_sm={ps}" if ps is not None else ""),
+                   chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
                    jax=jax.__version__, device=dev.device_kind)
