@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
 #                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
-#                                               per-sm-ab tests-attn
+#                                               per-sm-ab tests-attn attn-probe timeline
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -58,6 +58,20 @@ for part in "$@"; do
                  --dp4a-per-sm 4,8,4,8 | tail -6; done ;;
     tests-attn) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q tests/test_paged_attention.py \
                   tests/test_rms_norm.py tests/test_rope_kv.py 2>&1 | tail -2 ;;
+    # Where a bf16 step goes at 32 sequences (ctx 1024) and at bs1 32k, and decode-attention tuning
+    # there (session 10: data for the 6,000 and 200 tok/s goals)
+    attn-probe) D="timeout 110 python3 bench/decode.py $A --attention"
+                $D pallas_triton --contexts 1024 --batch 32 --runs 1 --profile 1 2>&1 | grep -A18 "^| name"
+                $D "pallas_triton,pallas_triton:num_splits=4,pallas_triton:num_splits=8,pallas_triton:num_stages=3,pallas_triton:block_k=128" \
+                  --contexts 1024 --batch 32 --runs 3 2>&1 | tail -5
+                $D pallas_triton --contexts 32768 --runs 1 --profile 1 2>&1 | grep -A14 "^| name"
+                $D "pallas_triton,pallas_triton:block_k=128,pallas_triton:num_stages=3,pallas_triton:num_warps=8" \
+                  --contexts 32768 --runs 3 2>&1 | tail -4 ;;
+    # Prepared (session 10, not run yet): does the device wait for the host inside LLM.generate at 32
+    # sequences (generate 5,258 tok/s vs the same program back to back 5,678)? Per program: device time
+    # and the idle gap before each run.
+    timeline) timeout 200 python3 bench/throughput.py $A --runs 2 --workloads 32x1024x128,1x128x256 --timeline \
+                2>&1 | grep -v "^  run" | grep -A8 "device timeline" ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;

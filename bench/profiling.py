@@ -57,3 +57,60 @@ def print_table(lines, per: int, label: str = "", top: int = 25) -> None:
         print("| name | count/unit | us/unit | share |\n|---|---|---|---|")
         for name, (c, t) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
             print(f"| {name[:90]} | {c / per:.1f} | {t / per / 1e3:.1f} | {t / total:.3f} |")
+
+
+def module_timeline(fn):
+    """Run fn once under jax.profiler.trace; return (programs, busy_ns, span_ns, line_names): programs
+    = [(name, start_ns, end_ns)] from the GPU planes' "XLA Modules" line (one per program execution),
+    busy_ns = the union of all kernel/copy intervals on the stream lines, span_ns = first start to last
+    end. What the device did during a whole `LLM.generate`, and where it waited for the host."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(fn())
+        paths = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if not paths:
+            return [], 0, 0, []
+        pd = ProfileData.from_file(paths[0])
+    programs, spans, names = [], [], set()
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            names.add(line.name)
+            if line.name == "XLA Modules":
+                programs += [(ev.name, ev.start_ns, ev.end_ns) for ev in line.events]
+            elif line.name.startswith("Stream"):
+                spans += [(ev.start_ns, ev.end_ns) for ev in line.events]
+    busy, cur = 0, None
+    for s, e in sorted(spans):
+        if cur is None or s > cur[1]:
+            busy += 0 if cur is None else cur[1] - cur[0]
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    busy += 0 if cur is None else cur[1] - cur[0]
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
+    return sorted(programs, key=lambda p: p[1]), busy, span, sorted(names)
+
+
+def print_timeline(programs, busy_ns, span_ns, line_names, label: str = "") -> None:
+    """Per program name: executions, mean device time, and the mean idle gap before each execution
+    (from the previous execution's end; the host's share of the step when async dispatch is not
+    hiding it)."""
+    print(f"## {label} device timeline: busy {busy_ns / 1e6:.1f} of {span_ns / 1e6:.1f} ms "
+          f"({busy_ns / max(span_ns, 1):.3f}); lines: {', '.join(line_names)[:300]}")
+    stats: dict[str, list] = defaultdict(lambda: [0, 0, 0, 0])  # n, dur, gaps, gap count
+    prev_end = None
+    for name, s, e in programs:
+        st = stats[name[:60]]
+        st[0] += 1
+        st[1] += e - s
+        if prev_end is not None:
+            st[2] += max(0, s - prev_end)
+            st[3] += 1
+        prev_end = e if prev_end is None else max(prev_end, e)
+    print("| program | runs | mean ms | mean idle before, us |\n|---|---|---|---|")
+    for name, (n, dur, gaps, g) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {name} | {n} | {dur / n / 1e6:.3f} | {gaps / max(g, 1) / 1e3:.1f} |")

@@ -84,6 +84,9 @@ def main(argv=None):
                     help="comma list (4,8,4,8): with --int8-activations, a fresh engine per value of the "
                          "int8 kernel's K-split target (pallas_dp4a.PER_SM, read when programs trace), "
                          "same weights; interleave values for an A/B on one machine")
+    ap.add_argument("--timeline", action="store_true",
+                    help="after each workload's runs, one more under jax.profiler: per program, device "
+                         "time and the idle gap before it (GPU)")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     args = ap.parse_args(argv)
 
@@ -159,6 +162,12 @@ def main(argv=None):
                 continue
             runs.append((tp - t0, t1 - tp))
             print(f"  run {r}: prefill {tp - t0:.3f}s, decode {t1 - tp:.3f}s", flush=True)
+        if args.timeline:
+            from bench.profiling import module_timeline, print_timeline
+
+            prompts = [[int(x) for x in rng.integers(256, lm.cfg.vocab_size, i)] for _ in range(n)]
+            print_timeline(*module_timeline(lambda: llm.generate(prompts, params, use_tqdm=False)),
+                           label=f"{n}x{i}x{o} K={k}")
         pre = statistics.median(x[0] for x in runs)
         dec = statistics.median(x[1] for x in runs)
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
