@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
 #                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
-#                                               per-sm-ab tests-attn attn-probe timeline
+#                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -72,6 +72,11 @@ for part in "$@"; do
     # and the idle gap before each run.
     timeline) timeout 200 python3 bench/throughput.py $A --runs 2 --workloads 32x1024x128,1x128x256 --timeline \
                 2>&1 | grep -v "^  run" | grep -A8 "device timeline" ;;
+    # Prepared (session 10, not run yet): do the int8 kernel's split-K partials into the norm/RoPE
+    # kernels still pay with the loop in CUDA graphs (the norm after down takes 3.85 us with 7
+    # partials vs 2.3 us without; XLA's reduction was ~1.2-1.4 us)? Interleaved A/B through generate.
+    split-sums-ab) for q in int4 q8_0; do tp 200 --workloads 1x128x512 --quant $q --int8-activations \
+                     --dp4a-split-sums on,off,on,off | tail -6; done ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;

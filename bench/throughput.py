@@ -84,6 +84,10 @@ def main(argv=None):
                     help="comma list (4,8,4,8): with --int8-activations, a fresh engine per value of the "
                          "int8 kernel's K-split target (pallas_dp4a.PER_SM, read when programs trace), "
                          "same weights; interleave values for an A/B on one machine")
+    ap.add_argument("--dp4a-split-sums", default=None,
+                    help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
+                         "value, the int8 kernel handing its split-K partials to the norm and RoPE kernels "
+                         "(on, the default) or adding them in XLA first (off)")
     ap.add_argument("--timeline", action="store_true",
                     help="after each workload's runs, one more under jax.profiler: per program, device "
                          "time and the idle gap before it (GPU)")
@@ -137,14 +141,21 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     modes = [m == "on" for m in args.async_scheduling.split(",")]
-    per_sms = [int(v) for v in args.dp4a_per_sm.split(",")] if args.dp4a_per_sm else [None]
+    # Engine variants (a fresh engine each, same weights): the int8 kernel's K-split target, and
+    # whether it hands split-K partials to its consumers; both are read when programs trace.
+    engs = [(p, None) for p in args.dp4a_per_sm.split(",")] if args.dp4a_per_sm else [(None, None)]
+    if args.dp4a_split_sums:
+        engs = [(p, ss) for p, _ in engs for ss in args.dp4a_split_sums.split(",")]
     eng = tag = None
-    for ps, k, mode, (n, i, o) in [(p, k, m, w) for p in per_sms for k in ks for m in modes for w in wls]:
-        if eng is None or (ps is not None and tag != ps):
-            if ps is not None:
-                from jaxserve.kernels.quant_matmul import pallas_dp4a
+    for (ps, ss), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes for w in wls]:
+        if eng is None or tag != (ps, ss):
+            from jaxserve.kernels.quant_matmul import pallas_dp4a
 
-                pallas_dp4a.PER_SM, tag = ps, ps
+            if ps is not None:
+                pallas_dp4a.PER_SM = int(ps)
+            if ss is not None:
+                pallas_dp4a.engine_qmatmul.takes_split_out = ss == "on"
+            tag = (ps, ss)
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
             eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
             llm = LLM.from_engine(eng)
@@ -171,7 +182,7 @@ def main(argv=None):
         pre = statistics.median(x[0] for x in runs)
         dec = statistics.median(x[1] for x in runs)
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
-                   + (f" per_sm={ps}" if ps is not None else ""),
+                   + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else ""),
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
