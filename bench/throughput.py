@@ -157,7 +157,10 @@ def main(argv=None):
                 pallas_dp4a.engine_qmatmul.takes_split_out = ss == "on"
             tag = (ps, ss)
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
-            eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
+            # The program store keys programs by configs and kernel names, not by these module
+            # settings: with it on, every variant after the first would load the first's program.
+            vcfg = ecfg if tag == (None, None) else ecfg.replace(program_store=False)
+            eng = LLMEngine(lm, engine_config=vcfg, attention=attention, warmup=False)
             llm = LLM.from_engine(eng)
         eng.ecfg = eng.ecfg.replace(async_scheduling=mode)  # read by LLMEngine.step only
         eng.scheduler.cfg = eng.scheduler.cfg.replace(decode_steps=k)  # the scheduler picks K per step
