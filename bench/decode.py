@@ -286,6 +286,7 @@ def main(argv=None):
             from jaxserve.kernels.quant_matmul import pallas_triton as qpt
 
             qmatmul = functools.partial(base_qmatmul or qpt.qmatmul, fp8=f8kw)
+            qmatmul.takes_split_out = getattr(base_qmatmul or qpt.qmatmul, "takes_split_out", False)
             label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
         label += (" fused" if fuse else "") + (f" rope_kv={args.fused_rope_kv}" if args.fused_rope_kv != "auto" else "")
         if dgemv is not None:

@@ -27,7 +27,9 @@ from jaxserve.kernels.split_sum import SplitSum  # noqa: E402
 from jaxserve.quant.qweight import dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
-VARIANTS = ["block_n=64", "per_sm=1", "per_sm=4", "num_stages=4", "block_n=256,num_warps=8"]
+# M <= 64 (GEMV keys apply to the rows GEMV['max_m'] sends there; gemv_max_m=0 / 4 moves them)
+VARIANTS = ["gemv_max_m=0", "gemv_max_m=4", "gemv_block_n=32", "gemv_block_n=128", "gemv_block_k=64",
+            "gemv_per_sm=4", "gemv_per_sm=16", "gemv_max_splits=16", "gemv_num_warps=8", "gemv_num_stages=1"]
 
 
 def parse(v):
@@ -37,7 +39,7 @@ def parse(v):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qkv,o,down,gate_up")
-    ap.add_argument("--M", default="1,32,2048")
+    ap.add_argument("--M", default="1,2,4,32,2048")
     ap.add_argument("--variant", action="append", default=None)
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--small", action="store_true", help="tiny shapes, the interpreter (checks the script on CPU)")
@@ -64,6 +66,9 @@ def main():
                      ("fp8 q0 (transposed in kernel)", qs, functools.partial(f8.qmatmul, interpret=interpret))]
             impls += [(f"fp8 [N,K] {v}", kns, functools.partial(f8.qmatmul, interpret=interpret, **parse(v)))
                       for v in (variants if M <= 64 else ["block_m=64", "block_m=128,num_warps=8"])]
+            if M <= 4:  # the CUDA-core GEMV with each weight scaled (weights whose scales are not 128x128 blocks)
+                impls.append(("fp8 gemv, per-column scales", kns, functools.partial(
+                    f8.gemv, fold=False, interpret=interpret)))
             if M <= 64:
                 impls.append(("exact float-code kernel (q0)", qs, functools.partial(pt.qmatmul, interpret=interpret)))
             else:

@@ -35,6 +35,9 @@ def random_qweight(K: int, N: int, fmt: str, key):
             elif name == "scale" and tmpl.meta.scale_kind == "e4m3":
                 lo, hi = 0x20, 0x38  # 0.125 .. 1, times gscale
             arrays[name] = jax.random.randint(k, shape, lo, hi, jnp.int32).astype(a.dtype)
+        elif fmt == "fp8":  # one scale per 128 x 128 block, repeated over its columns, as checkpoints hold them
+            blocks = jax.random.uniform(k, (a.shape[0], -(-N // 128)), jnp.float32, 1e-3, 4e-3)
+            arrays[name] = jnp.repeat(blocks, 128, axis=1)[:, :N].astype(a.dtype)
         else:
             arrays[name] = (jax.random.uniform(k, shape, jnp.float32, 1e-3, 4e-3)).astype(a.dtype)
     return QWeight(dataclasses.replace(tmpl.meta, N=N), arrays)

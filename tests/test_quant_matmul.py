@@ -156,19 +156,24 @@ def test_bdot_tunables_bf16(fmt, M, tun):
     _check(y, _oracle(np.asarray(x, np.float32), qw), rtol=1e-2)
 
 
-def test_bdot_split_out():
-    """split_out: a 'bdot' call split over K hands back its f32 partials (kernels/split_sum.SplitSum)
-    whose total is the plain call's output; one split, another mode, or columns padded to the tile
-    give the plain output."""
+def test_bdot_split_out(monkeypatch):
+    """split_out (with BDOT_SPLIT_OUT on): a 'bdot' call split over K hands back its f32 partials
+    (kernels/split_sum.SplitSum) whose total is the plain call's output; one split, another mode, or
+    columns padded to the tile give the plain output. Off (the default: measured slower in the model),
+    'bdot' gives the plain output even when the engine asks."""
     from jaxserve.kernels.split_sum import SplitSum
 
     qw = _weight("q4k", n=256)
     x = jnp.asarray(np.random.default_rng(7).standard_normal((1, K)), jnp.bfloat16)
     want = pt.qmatmul(x, qw, mode="bdot", splits=2, block_n=128, interpret=INTERPRET)
+    assert not pt.BDOT_SPLIT_OUT and pt.qmatmul.takes_split_out  # asked (for FP8), 'bdot' declines
+    plain = pt.qmatmul(x, qw, mode="bdot", splits=2, block_n=128, split_out=True, interpret=INTERPRET)
+    assert not isinstance(plain, SplitSum)
+    np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(want, np.float32))
+    monkeypatch.setattr(pt, "BDOT_SPLIT_OUT", True)
     got = pt.qmatmul(x, qw, mode="bdot", splits=2, block_n=128, split_out=True, interpret=INTERPRET)
     assert isinstance(got, SplitSum) and got.parts.shape == (2, 1, 256) and got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got.total(), np.float32), np.asarray(want, np.float32))
-    assert not pt.qmatmul.takes_split_out  # measured slower in the model: the engine does not ask
     for w, kw in ((qw, dict(mode="bdot", splits=1)), (qw, dict(mode="fma", splits=2)),
                   (_weight("q4k"), dict(mode="bdot", splits=2))):  # N = 96: padded to the 128-column tile
         y = pt.qmatmul(x, w, split_out=True, interpret=INTERPRET, block_n=128, **kw)
@@ -422,10 +427,11 @@ def test_fp8_kernel(M, dtype, tun):
     freed = f8.to_kn({"w": jax.device_put(stack([one, other]))}, free=True)["w"]  # the runner's way
     np.testing.assert_array_equal(np.asarray(freed.arrays[KN_CODES]), np.asarray(kn.arrays[KN_CODES]))
     np.testing.assert_array_equal(np.asarray(dequantize(kn)), np.asarray(dequantize(qw)))
+    tc = dict(gemv_max_m=0)  # this kernel at every M (test_fp8_gemv covers the GEMV decode rows take)
     for w in (qw, kn):
-        _check(f8.qmatmul(x, w, layer=1, interpret=INTERPRET, **tun), want, rtol=rtol)
-    _check(pt.qmatmul(x, kn, layer=1, interpret=INTERPRET), want, rtol=rtol)
-    ys = f8.qmatmul(x, kn, layer=1, splits=3, split_out=True, interpret=INTERPRET)
+        _check(f8.qmatmul(x, w, layer=1, interpret=INTERPRET, **tun, **tc), want, rtol=rtol)
+    _check(pt.qmatmul(x, kn, layer=1, interpret=INTERPRET, fp8=tc), want, rtol=rtol)
+    ys = f8.qmatmul(x, kn, layer=1, splits=3, split_out=True, interpret=INTERPRET, **tc)
     assert ys.parts.shape == (3, M, 96)
     _check(ys.total(), want, rtol=rtol)
     # the f32 partials themselves, summed in f64: the exact function (bf16 x; f32 x is rounded to f16),
@@ -436,6 +442,67 @@ def test_fp8_kernel(M, dtype, tun):
     with pytest.raises(ValueError, match="stacked"):
         f8.qmatmul(x, kn, interpret=INTERPRET)  # a stacked weight needs layer=
     assert f8.plan(96, 384, 128, None, 2, unroll=2)[-1] == 1  # 3 groups: no 2-group steps
+
+
+@pytest.mark.parametrize("M,dtype,tun", [
+    (1, jnp.bfloat16, {}),  # decode: K split (3 steps of 128)
+    (2, jnp.bfloat16, dict(block_k=64, splits=1)),  # two steps per group, one split: x's dtype written
+    (3, jnp.float32, dict(block_n=32, splits=2)),  # f32 x (not rounded); N in 10 tiles
+], ids=str)
+def test_fp8_gemv(M, dtype, tun):
+    """The FP8 CUDA-core GEMV (decode rows of a to_kn weight) computes x @ dequantize(W) in f32 from the
+    exact codes: with the 128x128 block scales `to_kn` finds (folded into x's piece) or per-column scales
+    (multiplying each weight); for a stacked weight's layer; split-K partials to a consumer; and
+    pallas_fp8.qmatmul / pallas_triton.qmatmul send up to GEMV['max_m'] rows there."""
+    from jaxserve.kernels.quant_matmul import pallas_fp8 as f8
+    from jaxserve.kernels.split_sum import SplitSum
+    from jaxserve.quant.qweight import QWeight
+
+    rng = np.random.default_rng(M)
+    one = _float_code_weight("fp8", K=384, N=320)  # column blocks of 128, 128 and 64
+    blocks = rng.uniform(1e-3, 4.0, (2, 3, 3)).astype(np.float32)
+    qw = jax.device_put(stack([QWeight(one.meta, dict(one.arrays, scale=np.repeat(b, 128, 1)[:, :320]))
+                               for b in blocks]))
+    kn = f8.to_kn({"w": qw})["w"]
+    np.testing.assert_array_equal(np.asarray(kn.arrays[f8.BLOCK_SCALES]), blocks)
+    per_col = f8.to_kn({"w": jax.device_put(stack([one, one]))})["w"]  # random scale per column: not blocks
+    assert f8.BLOCK_SCALES not in per_col.arrays
+    x = rng.standard_normal((M, 384)).astype(np.float32)
+    x[0, :4] *= 3e4  # beyond f16's range: the GEMV never rounds x to f16
+    x = jnp.asarray(x, dtype)
+    xf = np.asarray(x, np.float32)
+    for w, fold in ((kn, True), (kn, False), (per_col, False)):
+        want = _oracle(xf, w, 1)
+        ys = f8.gemv(x, w, layer=1, fold=fold, split_out=True, interpret=INTERPRET, **tun)
+        if isinstance(ys, SplitSum):
+            parts = np.sum(np.asarray(ys.parts, np.float64), 0)
+            _check(ys.total(), want, rtol=4e-3 if dtype == jnp.bfloat16 else 1e-5)
+        else:  # one split: the kernel wrote x's dtype itself
+            assert tun.get("splits") == 1 and ys.dtype == dtype
+            parts = np.asarray(ys, np.float64)
+        err = np.abs(parts - want).max() / np.abs(want).max()
+        assert err < (4e-3 if ys.dtype == jnp.bfloat16 else 1e-5), (fold, err)
+    with pytest.raises(ValueError, match="fold"):
+        f8.gemv(x, per_col, layer=1, fold=True, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="unknown tuning"):
+        f8.gemv(x, kn, layer=1, blockn=64, interpret=INTERPRET)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        f8.gemv(x, qw, layer=1, interpret=INTERPRET)  # q0 [K, N]: the tensor-core kernel's
+    # routing: M rows up to max_m take the GEMV (its pallas_call named so in the jaxpr), else the tensor cores
+    names = lambda f: str(jax.make_jaxpr(f)(x))  # noqa: E731
+    assert "qfp8_gemv" in names(lambda v: f8.qmatmul(v, kn, layer=1, gemv_max_m=M, interpret=INTERPRET))
+    assert "qfp8_gemv" not in names(lambda v: f8.qmatmul(v, kn, layer=1, gemv_max_m=M - 1, interpret=INTERPRET))
+    assert "qfp8_gemv" in names(lambda v: pt.qmatmul(v, kn, layer=1, fp8=dict(gemv_max_m=M), interpret=INTERPRET))
+    _check(f8.qmatmul(x, kn, layer=1, gemv_max_m=M, gemv_block_n=64, interpret=INTERPRET), _oracle(xf, kn, 1),
+           rtol=4e-3 if dtype == jnp.bfloat16 else 1e-5)
+    # the engine asks pallas_triton.qmatmul for split_out; FP8 weights hand their partials over
+    # (consumer_adds=0: added here, the benchmarks' A/B)
+    asked = pt.qmatmul(x, kn, layer=1, split_out=True, fp8=dict(gemv_max_m=M, gemv_splits=2), interpret=INTERPRET)
+    assert isinstance(asked, SplitSum) and asked.parts.shape == (2, M, 320)
+    added = pt.qmatmul(x, kn, layer=1, split_out=True, fp8=dict(gemv_max_m=M, gemv_splits=2, consumer_adds=0),
+                       interpret=INTERPRET)
+    assert not isinstance(added, SplitSum)
+    np.testing.assert_array_equal(np.asarray(added, np.float32), np.asarray(asked.total(), np.float32))
 
 
 def test_fp8_kn_prompt_rows_take_xla():

@@ -33,6 +33,10 @@ from jaxserve.quant.qweight import KN_CODES, QMeta, QWeight
 
 NUM_SMS = 132
 GROUP = 128
+BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when they are 128x128 blocks
+# The CUDA-core GEMV for decode rows (M <= max_m; 0 turns it off): columns per tile (dividing 128),
+# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages.
+GEMV = dict(max_m=1, block_n=64, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
 
 
 def supports(meta: QMeta, M: int) -> bool:
@@ -101,6 +105,104 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk
                     mask=jnp.broadcast_to(real[:, None], (Mp, bn)))
 
 
+def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nsteps, fold):
+    """One [bn] column tile over this program's K steps: codes [bn, bk] -> f32 (hardware e4m3 -> f16,
+    then f16 -> f32), multiply-added into a [bn, bk] f32 accumulator per row of x (one reduction over K
+    at the end). fold: one scale per (group, 128 columns) multiplies the group's x piece (bk values)
+    instead of every weight."""
+    jn, ks = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    n0 = jn * bn
+    f32 = jnp.float32
+
+    def body(i, acc):
+        k0 = i * bk
+        g = k0 // GROUP
+        codes = q_ref[layer, pl.ds(n0, bn), pl.ds(k0, bk)]
+        w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(f32)  # [bn, bk]
+        xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) for m in range(M)]
+        if fold:
+            s = s_ref[layer, g, n0 // GROUP]
+            return tuple(acc[m] + w * (xs[m] * s)[None, :] for m in range(M))
+        w = w * s_ref[layer, g, pl.ds(n0, bn)][:, None]
+        return tuple(acc[m] + w * xs[m][None, :] for m in range(M))
+
+    b0 = ks * per
+    acc = lax.fori_loop(b0, jnp.minimum(b0 + per, nsteps), body, tuple(jnp.zeros((bn, bk), f32) for _ in range(M)))
+    for m in range(M):
+        o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(acc[m], axis=1).astype(o_ref.dtype)
+
+
+def gemv_plan(N: int, K: int, block_n: int, block_k: int, per_sm: int, max_splits: int, splits=None):
+    """(bn, bk, column tiles, K splits, steps per split, total steps) of the GEMV."""
+    bn, bk = math.gcd(N, block_n, GROUP), math.gcd(K, block_k, GROUP)
+    tiles, nsteps = N // bn, K // bk
+    if splits is None:
+        splits = max(1, min(nsteps, max_splits, -(-per_sm * NUM_SMS // tiles)))
+    per = -(-nsteps // splits)
+    return bn, bk, tiles, -(-nsteps // per), per, nsteps
+
+
+def _layered(qw: QWeight, layer, scale_name: str):
+    """(codes, scales, layer [1] int32) with a leading layer dim whether or not qw is stacked."""
+    if len(qw.batch_shape) > 1 or (qw.batch_shape and layer is None) or (layer is not None and not qw.batch_shape):
+        raise ValueError(f"fp8 kernel: QWeight stacked {qw.batch_shape} with layer={layer!r} "
+                         "(one stacked dim, with layer=; or none, without)")
+    q = jnp.asarray(qw.arrays[KN_CODES if KN_CODES in qw.arrays else "q0"])
+    s = jnp.asarray(qw.arrays[scale_name])
+    if not qw.batch_shape:
+        q, s, layer = q[None], s[None], 0
+    return q, s, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def _finish(out, splits, split_out, x, N):
+    """The kernels' [splits, M, N] output as x's shape: one split as it is, else a SplitSum for the
+    consumer (split_out) or the parts added here."""
+    if splits == 1:
+        return out[0].reshape(*x.shape[:-1], N)
+    if split_out:
+        return SplitSum(out.reshape(splits, *x.shape[:-1], N), x.dtype)
+    return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False, interpret=None, **tuning):
+    """x [..., K] (at most a few rows) @ W for e4m3 block-wise W held [N, K] (`to_kn`), on the CUDA
+    cores: f32 products and sums of the exact codes (x is not rounded to f16). fold (default: when qw
+    holds BLOCK_SCALES): the group's scale multiplies x's piece, else each weight. tuning: GEMV's keys
+    (max_m ignored here)."""
+    unknown = set(tuning) - set(GEMV)
+    if unknown:
+        raise ValueError(f"fp8 gemv: unknown tuning {sorted(unknown)}; known: {sorted(GEMV)}")
+    t = dict(GEMV, **tuning)
+    meta = qw.meta
+    if interpret is None:
+        interpret = jax.devices()[0].platform == "cpu"
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    if not supports(meta, M) or KN_CODES not in qw.arrays:
+        raise ValueError(f"fp8 gemv: needs e4m3 block-wise codes held [N, K] (to_kn), got {meta.fmt} "
+                         f"code={meta.code} arrays {sorted(qw.arrays)}")
+    fold = BLOCK_SCALES in qw.arrays if fold is None else bool(fold)
+    if fold and BLOCK_SCALES not in qw.arrays:
+        raise ValueError("fp8 gemv: fold needs the weight's 128x128 block scales (BLOCK_SCALES)")
+    q, s, layer = _layered(qw, layer, BLOCK_SCALES if fold else "scale")
+    bn, bk, tiles, splits, per, nsteps = gemv_plan(meta.N, meta.K, t["block_n"], t["block_k"], t["per_sm"],
+                                                  t["max_splits"], splits)
+    kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold)
+    cp = None
+    if not interpret:
+        from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params
+
+        cp = _compiler_params(t["num_warps"], t["num_stages"])
+    odt = x.dtype if splits == 1 else jnp.float32
+    full = pl.BlockSpec()
+    out = pl.pallas_call(kernel, grid=(tiles, splits), in_specs=[full] * 4, out_specs=full,
+                         out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
+                         compiler_params=cp,
+                         name=f"qfp8_gemv_m{M}_n{bn}_k{bk}_s{splits}" + ("_fold" if fold else ""))(layer, x2, q, s)
+    return _finish(out, splits, split_out, x, meta.N)
+
+
 def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: int = 1, unroll: int = 1):
     """(bn, column tiles, K splits, steps per split, total steps, groups per step)."""
     bn = math.gcd(N, block_n)
@@ -113,10 +215,15 @@ def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: 
 
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None, per_sm=2, unroll=1, num_warps=4,
-            num_stages=3, split_out=False, interpret=None):
+            num_stages=3, split_out=False, consumer_adds=1, interpret=None, gemv_max_m=None, **gemv_tuning):
     """x [..., K] @ W [K, N] for e4m3 block-wise W: exact up to f32 accumulation order for bf16/f16 x (f32
     x is rounded to f16). split_out: with more than one K split, return the partials as a SplitSum for
-    the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`."""
+    the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`.
+
+    Up to gemv_max_m rows (default GEMV['max_m']) of a weight held [N, K] go to `gemv` instead (the
+    CUDA-core kernel; its tuning as gemv_<key>=...). consumer_adds=0: split_out is ignored (the parts
+    are added here; benchmarks' A/B)."""
+    split_out = split_out and bool(consumer_adds)
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
@@ -125,14 +232,14 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     if not supports(meta, M):
         raise ValueError(f"fp8 kernel: unsupported {meta.fmt} code={meta.code} group={meta.group} "
                          f"K={meta.K} Kp={meta.Kp} M={M}")
-    if len(qw.batch_shape) > 1 or (qw.batch_shape and layer is None) or (layer is not None and not qw.batch_shape):
-        raise ValueError(f"fp8 kernel: QWeight stacked {qw.batch_shape} with layer={layer!r} "
-                         "(one stacked dim, with layer=; or none, without)")
+    gt = {k.removeprefix("gemv_"): v for k, v in gemv_tuning.items()}
+    bad = [k for k in gemv_tuning if not k.startswith("gemv_")]
+    if bad:
+        raise TypeError(f"fp8 kernel: unknown keywords {bad}")
     nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
-    q, s = jnp.asarray(qw.arrays[KN_CODES if nk else "q0"]), jnp.asarray(qw.arrays["scale"])
-    if not qw.batch_shape:
-        q, s, layer = q[None], s[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    if nk and M <= (GEMV["max_m"] if gemv_max_m is None else gemv_max_m):
+        return gemv(x, qw, layer=layer, splits=gt.pop("splits", splits), split_out=split_out, interpret=interpret, **gt)
+    q, s, layer = _layered(qw, layer, "scale")
     Mp = max(16, 1 << (M - 1).bit_length())
     Mp = min(block_m, Mp)
     mtiles = -(-M // Mp)
@@ -148,14 +255,24 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     out = pl.pallas_call(kernel, grid=(tiles, splits, mtiles), in_specs=[full] * 4, out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
                          compiler_params=cp, name=f"qfp8_m{Mp}_n{bn}_s{splits}")(layer, x2, q, s)
-    if splits == 1:
-        return out[0].reshape(*x.shape[:-1], meta.N)
-    if split_out:
-        return SplitSum(out.reshape(splits, *x.shape[:-1], meta.N), x.dtype)
-    return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
+    return _finish(out, splits, split_out, x, meta.N)
 
 
 _transpose = jax.jit(lambda q: jnp.swapaxes(q, -1, -2))  # one compile per shape, not per weight
+
+
+@jax.jit
+def _blocks_of(scale):
+    """(the scale at each 128-column block's first column, whether every column equals its block's)."""
+    first = scale[..., ::GROUP]
+    return first, jnp.all(jnp.repeat(first, GROUP, axis=-1)[..., :scale.shape[-1]] == scale)
+
+
+def block_scales(scale):
+    """scale [..., K/128, N] -> its [..., K/128, ceil(N/128)] block values when the scales are constant
+    over 128-column blocks (FP8 block-wise checkpoints: one scale per 128x128 block), else None."""
+    first, same = _blocks_of(jnp.asarray(scale))
+    return first if bool(same) else None
 
 
 def to_kn(weights, free: bool = False):
@@ -170,6 +287,9 @@ def to_kn(weights, free: bool = False):
             arrays = {k: v for k, v in w.arrays.items() if k != "q0"}
             q0 = w.arrays["q0"]
             arrays[KN_CODES] = _transpose(q0)
+            blk = block_scales(w.arrays["scale"])
+            if blk is not None:  # the GEMV then multiplies x's piece, not each weight, by the scale
+                arrays[BLOCK_SCALES] = blk
             if free and isinstance(q0, jax.Array):
                 q0.delete()
             return QWeight(w.meta, arrays)
