@@ -447,7 +447,7 @@ def test_fp8_kernel(M, dtype, tun):
 @pytest.mark.parametrize("M,dtype,tun", [
     (1, jnp.bfloat16, {}),  # decode: K split (3 steps of 128)
     (2, jnp.bfloat16, dict(block_k=64, splits=1)),  # two steps per group, one split: x's dtype written
-    (3, jnp.float32, dict(block_n=32, splits=2)),  # f32 x (not rounded); N in 10 tiles
+    (3, jnp.float32, dict(block_n=32, splits=2, prefetch=1)),  # f32 x (not rounded); next codes ahead
 ], ids=str)
 def test_fp8_gemv(M, dtype, tun):
     """The FP8 CUDA-core GEMV (decode rows of a to_kn weight) computes x @ dequantize(W) in f32 from the

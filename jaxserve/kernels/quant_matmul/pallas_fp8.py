@@ -35,8 +35,10 @@ NUM_SMS = 132
 GROUP = 128
 BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when they are 128x128 blocks
 # The CUDA-core GEMV for decode rows (M <= max_m; 0 turns it off): columns per tile (dividing 128),
-# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages.
-GEMV = dict(max_m=1, block_n=64, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
+# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages, next codes
+# loaded a step ahead. Measured per matmul on the H200 (bench/RESULTS.md, session 11): block_n 32 the
+# fastest of 32/64/128 on all four Llama-8B shapes; at M = 2 and 4 the tensor-core kernel is faster.
+GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3, prefetch=0)
 
 
 def supports(meta: QMeta, M: int) -> bool:
@@ -105,20 +107,25 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk
                     mask=jnp.broadcast_to(real[:, None], (Mp, bn)))
 
 
-def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nsteps, fold):
+def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nsteps, fold, prefetch):
     """One [bn] column tile over this program's K steps: codes [bn, bk] -> f32 (hardware e4m3 -> f16,
     then f16 -> f32), multiply-added into a [bn, bk] f32 accumulator per row of x (one reduction over K
     at the end). fold: one scale per (group, 128 columns) multiplies the group's x piece (bk values)
-    instead of every weight."""
+    instead of every weight. prefetch: the next step's codes are loaded before this step's arithmetic
+    (Triton does not pipeline loads that feed no dot)."""
     jn, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     n0 = jn * bn
     f32 = jnp.float32
+    b0 = ks * per
+    b1 = jnp.minimum(b0 + per, nsteps)
 
-    def body(i, acc):
+    def load(i):
+        return q_ref[layer, pl.ds(n0, bn), pl.ds(i * bk, bk)]
+
+    def step(i, acc, codes):
         k0 = i * bk
         g = k0 // GROUP
-        codes = q_ref[layer, pl.ds(n0, bn), pl.ds(k0, bk)]
         w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(f32)  # [bn, bk]
         xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) for m in range(M)]
         if fold:
@@ -127,8 +134,16 @@ def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nstep
         w = w * s_ref[layer, g, pl.ds(n0, bn)][:, None]
         return tuple(acc[m] + w * xs[m][None, :] for m in range(M))
 
-    b0 = ks * per
-    acc = lax.fori_loop(b0, jnp.minimum(b0 + per, nsteps), body, tuple(jnp.zeros((bn, bk), f32) for _ in range(M)))
+    zeros = tuple(jnp.zeros((bn, bk), f32) for _ in range(M))
+    if prefetch:
+        def body(i, carry):
+            acc, codes = carry
+            nxt = load(jnp.minimum(i + 1, b1 - 1))
+            return step(i, acc, codes), nxt
+
+        acc, _ = lax.fori_loop(b0, b1, body, (zeros, load(b0)))
+    else:
+        acc = lax.fori_loop(b0, b1, lambda i, acc: step(i, acc, load(i)), zeros)
     for m in range(M):
         o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(acc[m], axis=1).astype(o_ref.dtype)
 
@@ -188,7 +203,8 @@ def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False,
     q, s, layer = _layered(qw, layer, BLOCK_SCALES if fold else "scale")
     bn, bk, tiles, splits, per, nsteps = gemv_plan(meta.N, meta.K, t["block_n"], t["block_k"], t["per_sm"],
                                                   t["max_splits"], splits)
-    kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold)
+    kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold,
+                               prefetch=bool(t["prefetch"]))
     cp = None
     if not interpret:
         from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params
