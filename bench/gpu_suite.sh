@@ -4,7 +4,7 @@
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
 #                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
 #                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
-#                                               fp8-mm fp8-mm2 fp8-e2e
+#                                               fp8-mm fp8-e2e
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -79,17 +79,11 @@ for part in "$@"; do
     split-sums-ab) for q in int4 q8_0; do tp 200 --workloads 1x128x512 --quant $q --int8-activations \
                      --dp4a-split-sums on,off,on,off | tail -6; done ;;
     # FP8 decode rows on the CUDA cores (pallas_fp8.gemv, session 11): per matmul against the tensor-core
-    # kernel and its tuning, then end to end (gemv_max_m=0: the tensor-core kernel; consumer_adds=0: the
-    # split-K parts added by XLA instead of the RoPE/norm kernels).
+    # kernel and its tuning, then end to end (gemv_max_m=0: the tensor-core kernel) and its split counts
     fp8-mm) timeout 220 python3 bench/fp8_gpu.py --M 1 2>&1 | grep "^|"
             timeout 120 python3 bench/fp8_gpu.py --shapes o,gate_up --M 2,4 --variant gemv_max_m=4 2>&1 | grep "^|" ;;
-    fp8-mm2) timeout 150 python3 bench/fp8_gpu.py --M 1 --variant gemv_prefetch=1 --variant gemv_block_n=16 \
-               --variant gemv_prefetch=1,gemv_num_warps=8 2>&1 | grep "^|" | grep -v "xla bf16\|q0" ;;
-    fp8-e2e) timeout 330 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
-               --fp8-kernel "gemv_max_m=0,consumer_adds=0;gemv_max_m=0;consumer_adds=0;;gemv_prefetch=1;gemv_block_n=64" \
-               2>&1 | tail -7
-             timeout 160 python3 bench/decode.py $A --attention pallas_triton --contexts 1024 --batch 32 --runs 3 \
-               --quant fp8 --fp8-kernel "consumer_adds=0;" 2>&1 | tail -3 ;;
+    fp8-e2e) timeout 300 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
+               --fp8-kernel "gemv_max_m=0;;gemv_per_sm=4;gemv_per_sm=2;gemv_num_warps=8;gemv_max_splits=4" 2>&1 | tail -7 ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;

@@ -35,10 +35,9 @@ NUM_SMS = 132
 GROUP = 128
 BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when they are 128x128 blocks
 # The CUDA-core GEMV for decode rows (M <= max_m; 0 turns it off): columns per tile (dividing 128),
-# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages, next codes
-# loaded a step ahead. Measured per matmul on the H200 (bench/RESULTS.md, session 11): block_n 32 the
+# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages. Measured per matmul on the H200 (bench/RESULTS.md, session 11): block_n 32 the
 # fastest of 32/64/128 on all four Llama-8B shapes; at M = 2 and 4 the tensor-core kernel is faster.
-GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3, prefetch=0)
+GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
 
 
 def supports(meta: QMeta, M: int) -> bool:
@@ -107,25 +106,21 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk
                     mask=jnp.broadcast_to(real[:, None], (Mp, bn)))
 
 
-def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nsteps, fold, prefetch):
+def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nsteps, fold):
     """One [bn] column tile over this program's K steps: codes [bn, bk] -> f32 (hardware e4m3 -> f16,
     then f16 -> f32), multiply-added into a [bn, bk] f32 accumulator per row of x (one reduction over K
     at the end). fold: one scale per (group, 128 columns) multiplies the group's x piece (bk values)
-    instead of every weight. prefetch: the next step's codes are loaded before this step's arithmetic
-    (Triton does not pipeline loads that feed no dot)."""
+    instead of every weight. (Loading the next step's codes a step ahead, in the loop's carry, was
+    slower on the H200: bench/RESULTS.md, session 11.)"""
     jn, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     n0 = jn * bn
     f32 = jnp.float32
-    b0 = ks * per
-    b1 = jnp.minimum(b0 + per, nsteps)
 
-    def load(i):
-        return q_ref[layer, pl.ds(n0, bn), pl.ds(i * bk, bk)]
-
-    def step(i, acc, codes):
+    def body(i, acc):
         k0 = i * bk
         g = k0 // GROUP
+        codes = q_ref[layer, pl.ds(n0, bn), pl.ds(k0, bk)]
         w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(f32)  # [bn, bk]
         xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) for m in range(M)]
         if fold:
@@ -134,16 +129,8 @@ def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nstep
         w = w * s_ref[layer, g, pl.ds(n0, bn)][:, None]
         return tuple(acc[m] + w * xs[m][None, :] for m in range(M))
 
-    zeros = tuple(jnp.zeros((bn, bk), f32) for _ in range(M))
-    if prefetch:
-        def body(i, carry):
-            acc, codes = carry
-            nxt = load(jnp.minimum(i + 1, b1 - 1))
-            return step(i, acc, codes), nxt
-
-        acc, _ = lax.fori_loop(b0, b1, body, (zeros, load(b0)))
-    else:
-        acc = lax.fori_loop(b0, b1, lambda i, acc: step(i, acc, load(i)), zeros)
+    b0 = ks * per
+    acc = lax.fori_loop(b0, jnp.minimum(b0 + per, nsteps), body, tuple(jnp.zeros((bn, bk), f32) for _ in range(M)))
     for m in range(M):
         o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(acc[m], axis=1).astype(o_ref.dtype)
 
@@ -203,8 +190,7 @@ def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False,
     q, s, layer = _layered(qw, layer, BLOCK_SCALES if fold else "scale")
     bn, bk, tiles, splits, per, nsteps = gemv_plan(meta.N, meta.K, t["block_n"], t["block_k"], t["per_sm"],
                                                   t["max_splits"], splits)
-    kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold,
-                               prefetch=bool(t["prefetch"]))
+    kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold)
     cp = None
     if not interpret:
         from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params
@@ -231,15 +217,13 @@ def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: 
 
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None, per_sm=2, unroll=1, num_warps=4,
-            num_stages=3, split_out=False, consumer_adds=1, interpret=None, gemv_max_m=None, **gemv_tuning):
+            num_stages=3, split_out=False, interpret=None, gemv_max_m=None, **gemv_tuning):
     """x [..., K] @ W [K, N] for e4m3 block-wise W: exact up to f32 accumulation order for bf16/f16 x (f32
     x is rounded to f16). split_out: with more than one K split, return the partials as a SplitSum for
     the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`.
 
     Up to gemv_max_m rows (default GEMV['max_m']) of a weight held [N, K] go to `gemv` instead (the
-    CUDA-core kernel; its tuning as gemv_<key>=...). consumer_adds=0: split_out is ignored (the parts
-    are added here; benchmarks' A/B)."""
-    split_out = split_out and bool(consumer_adds)
+    CUDA-core kernel; its tuning as gemv_<key>=...)."""
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"

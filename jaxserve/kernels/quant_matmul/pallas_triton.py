@@ -58,9 +58,6 @@ NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 # end to end). Constants: a benchmark picks another kernel with qmatmul(decode_mode=..., ...), passed
 # to the runner as its `qmatmul`.
 DECODE_MODE, DECODE_MAX_M = "fma", 2
-# 'bdot' hands its split-K partials to the consumer only when this is on: measured slower for q4k
-# (bench/RESULTS.md, session 6). FP8 weights held [N, K] (pallas_fp8) take split_out as asked.
-BDOT_SPLIT_OUT = False
 # With bf16 x and integer codes of <= 7 bits, decode (M <= DECODE_MAX_M) takes the block-diagonal
 # tensor-core kernel instead (H200, Llama-8B q4k bs1: 219.9 tok/s vs 198.8 with 'fma', at its
 # default 128 columns per program; the gate GEMV alone measured 41.7 us at 64 columns, 43.1 at 128,
@@ -320,7 +317,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     if p["mode"] in ("gemv", "bdot"):
         cp = None if interpret else _compiler_params(p["num_warps"], num_stages or 2)
         kernel = pallas_gemv if p["mode"] == "gemv" else pallas_bdot
-        keep = split_out and BDOT_SPLIT_OUT and p["mode"] == "bdot" and p["splits"] > 1 and p["Np"] == meta.N and gscale is None
+        keep = split_out and p["mode"] == "bdot" and p["splits"] > 1 and p["Np"] == meta.N and gscale is None
         y = kernel.run(x2, names, leaves, layer, meta, p, interpret=interpret, out_dtype=x.dtype,
                        compiler_params=cp, **({"keep_splits": True} if keep else {}))
         if keep:
@@ -356,6 +353,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
     return y[:M, :meta.N].astype(x.dtype).reshape(*lead, meta.N)
 
 
-# The model asks it for SplitSums (where the consumer adds partials): pallas_fp8 returns them, 'bdot'
-# only with BDOT_SPLIT_OUT, the other modes never.
-qmatmul.takes_split_out = True
+# The model does not ask it for SplitSums: measured on the H200 (q4k, Llama-8B shape, bs1, ctx 0) the
+# consumers adding 'bdot's partials made the step slower, 191.2 vs 209.9 tok/s (bench/RESULTS.md,
+# session 6). split_out=True still works when a caller asks.
+qmatmul.takes_split_out = False
