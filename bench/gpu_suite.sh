@@ -4,7 +4,7 @@
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
 #                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
 #                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
-#                                               fp8-mm fp8-e2e
+#                                               fp8-mm fp8-e2e fp8-bk int4-ab
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -84,6 +84,14 @@ for part in "$@"; do
             timeout 120 python3 bench/fp8_gpu.py --shapes o,gate_up --M 2,4 --variant gemv_max_m=4 2>&1 | grep "^|" ;;
     fp8-e2e) timeout 300 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
                --fp8-kernel "gemv_max_m=0;;gemv_per_sm=4;gemv_per_sm=2;gemv_num_warps=8;gemv_max_splits=4" 2>&1 | tail -7 ;;
+    fp8-bk) timeout 150 python3 bench/fp8_gpu.py --M 1 --variant gemv_block_k=256 --variant gemv_block_k=512 \
+              --variant gemv_block_k=256,gemv_num_warps=8 --variant gemv_block_k=256,gemv_block_n=16 2>&1 \
+              | grep "^|" | grep -v "xla bf16\|q0\|per-column"
+            timeout 200 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
+              --fp8-kernel ";gemv_block_k=256;gemv_block_k=512;" 2>&1 | tail -4 ;;
+    # per-sm-ab and split-sums-ab for int4 only (one call's time)
+    int4-ab) tp 200 --workloads 1x128x512 --quant int4 --int8-activations --dp4a-per-sm 4,8,4,8 | tail -6
+             tp 200 --workloads 1x128x512 --quant int4 --int8-activations --dp4a-split-sums on,off,on,off | tail -6 ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
