@@ -4,7 +4,7 @@
 #   bash bench/gpu_suite.sh PART [PART ...]     PART: startup bf16 bf16-32k bf16-256 int4 q4k q8_0 fp8
 #                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
 #                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
-#                                               fp8-mm fp8-e2e fp8-bk int4-ab
+#                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -89,7 +89,9 @@ for part in "$@"; do
               | grep "^|" | grep -v "xla bf16\|q0\|per-column"
             timeout 200 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
               --fp8-kernel ";gemv_block_k=256;gemv_block_k=512;" 2>&1 | tail -4 ;;
-    # per-sm-ab and split-sums-ab for int4 only (one call's time)
+    # per-sm-ab and split-sums-ab for int4 only (one call's time); per_sm for q8_0 and q4k
+    per-sm-q) for q in q8_0 q4k; do tp 200 --workloads 1x128x512 --quant $q --int8-activations \
+                --dp4a-per-sm 4,8,4,8 | tail -6; done ;;
     int4-ab) tp 200 --workloads 1x128x512 --quant int4 --int8-activations --dp4a-per-sm 4,8,4,8 | tail -6
              tp 200 --workloads 1x128x512 --quant int4 --int8-activations --dp4a-split-sums on,off,on,off | tail -6 ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \

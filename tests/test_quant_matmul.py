@@ -443,7 +443,6 @@ def test_fp8_kernel(M, dtype, tun):
     (1, jnp.bfloat16, {}),  # decode: K split (3 steps of 128)
     (2, jnp.bfloat16, dict(block_k=64, splits=1)),  # two steps per group, one split: x's dtype written
     (3, jnp.float32, dict(block_n=64, splits=2)),  # f32 x (not rounded); N in 5 tiles
-    (1, jnp.bfloat16, dict(block_k=256, splits=2)),  # K 768 in steps of 2 groups (folded; per-column: 128)
 ], ids=str)
 def test_fp8_gemv(M, dtype, tun):
     """The FP8 CUDA-core GEMV (decode rows of a to_kn weight) computes x @ dequantize(W) in f32 from the
@@ -455,21 +454,18 @@ def test_fp8_gemv(M, dtype, tun):
     from jaxserve.quant.qweight import QWeight
 
     rng = np.random.default_rng(M)
-    K = 768 if tun.get("block_k", 128) > 128 else 384
-    one = _float_code_weight("fp8", K=K, N=320)  # column blocks of 128, 128 and 64
-    blocks = rng.uniform(1e-3, 4.0, (2, K // 128, 3)).astype(np.float32)
+    one = _float_code_weight("fp8", K=384, N=320)  # column blocks of 128, 128 and 64
+    blocks = rng.uniform(1e-3, 4.0, (2, 3, 3)).astype(np.float32)
     qw = jax.device_put(stack([QWeight(one.meta, dict(one.arrays, scale=np.repeat(b, 128, 1)[:, :320]))
                                for b in blocks]))
     kn = f8.to_kn({"w": qw})["w"]
     np.testing.assert_array_equal(np.asarray(kn.arrays[f8.BLOCK_SCALES]), blocks)
     per_col = f8.to_kn({"w": jax.device_put(stack([one, one]))})["w"]  # random scale per column: not blocks
     assert f8.BLOCK_SCALES not in per_col.arrays
-    x = rng.standard_normal((M, K)).astype(np.float32)
+    x = rng.standard_normal((M, 384)).astype(np.float32)
     x[0, :4] *= 3e4  # beyond f16's range: the GEMV never rounds x to f16
     x = jnp.asarray(x, dtype)
     xf = np.asarray(x, np.float32)
-    assert f8.gemv_plan(320, K, 32, tun.get("block_k", 128), 8, 8)[1] == tun.get("block_k", 128)
-    assert f8.gemv_plan(320, K, 32, 256, 8, 8, fold=False)[1] == 128
     for w, fold in ((kn, True), (kn, False), (per_col, False)):
         want = _oracle(xf, w, 1)
         ys = f8.gemv(x, w, layer=1, fold=fold, split_out=True, interpret=INTERPRET, **tun)

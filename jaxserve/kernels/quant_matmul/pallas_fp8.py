@@ -35,7 +35,7 @@ NUM_SMS = 132
 GROUP = 128
 BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when they are 128x128 blocks
 # The CUDA-core GEMV for decode rows (M <= max_m; 0 turns it off): columns per tile (dividing 128),
-# K per step (dividing 128, or a multiple of it with folded block scales), target programs per SM, most K splits, warps, pipeline stages. Measured per matmul on the H200 (bench/RESULTS.md, session 11): block_n 32 the
+# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages. Measured per matmul on the H200 (bench/RESULTS.md, session 11): block_n 32 the
 # fastest of 32/64/128 on all four Llama-8B shapes; at M = 2 and 4 the tensor-core kernel is faster.
 GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
 
@@ -110,8 +110,8 @@ def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nstep
     """One [bn] column tile over this program's K steps: codes [bn, bk] -> f32 (hardware e4m3 -> f16,
     then f16 -> f32), multiply-added into a [bn, bk] f32 accumulator per row of x (one reduction over K
     at the end). fold: one scale per (group, 128 columns) multiplies the group's x piece (bk values)
-    instead of every weight. (Loading the next step's codes a step ahead, in the loop's carry, was
-    slower on the H200: bench/RESULTS.md, session 11.)"""
+    instead of every weight. (Loading the next step's codes a step ahead, in the loop's carry, and
+    steps of 2-4 groups were slower on the H200: bench/RESULTS.md, session 11.)"""
     jn, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     n0 = jn * bn
@@ -123,8 +123,8 @@ def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nstep
         codes = q_ref[layer, pl.ds(n0, bn), pl.ds(k0, bk)]
         w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(f32)  # [bn, bk]
         xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) for m in range(M)]
-        if fold:  # a step of more than one group: each group's scale on its own piece of x
-            s = s_ref[layer, g, n0 // GROUP] if bk <= GROUP else s_ref[layer, (k0 + jnp.arange(bk)) // GROUP, n0 // GROUP]
+        if fold:
+            s = s_ref[layer, g, n0 // GROUP]
             return tuple(acc[m] + w * (xs[m] * s)[None, :] for m in range(M))
         w = w * s_ref[layer, g, pl.ds(n0, bn)][:, None]
         return tuple(acc[m] + w * xs[m][None, :] for m in range(M))
@@ -135,11 +135,9 @@ def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nstep
         o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(acc[m], axis=1).astype(o_ref.dtype)
 
 
-def gemv_plan(N: int, K: int, block_n: int, block_k: int, per_sm: int, max_splits: int, splits=None,
-              fold: bool = True):
-    """(bn, bk, column tiles, K splits, steps per split, total steps) of the GEMV. Steps of more than
-    one group (block_k > 128) only with folded block scales."""
-    bn, bk = math.gcd(N, block_n, GROUP), math.gcd(K, block_k, GROUP if not fold else K)
+def gemv_plan(N: int, K: int, block_n: int, block_k: int, per_sm: int, max_splits: int, splits=None):
+    """(bn, bk, column tiles, K splits, steps per split, total steps) of the GEMV."""
+    bn, bk = math.gcd(N, block_n, GROUP), math.gcd(K, block_k, GROUP)
     tiles, nsteps = N // bn, K // bk
     if splits is None:
         splits = max(1, min(nsteps, max_splits, -(-per_sm * NUM_SMS // tiles)))
@@ -191,7 +189,7 @@ def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False,
         raise ValueError("fp8 gemv: fold needs the weight's 128x128 block scales (BLOCK_SCALES)")
     q, s, layer = _layered(qw, layer, BLOCK_SCALES if fold else "scale")
     bn, bk, tiles, splits, per, nsteps = gemv_plan(meta.N, meta.K, t["block_n"], t["block_k"], t["per_sm"],
-                                                  t["max_splits"], splits, fold)
+                                                  t["max_splits"], splits)
     kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold)
     cp = None
     if not interpret:
