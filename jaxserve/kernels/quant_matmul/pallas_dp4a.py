@@ -235,19 +235,23 @@ def step_subgroups(n: int, block_k: int, sub: int) -> int:
     return S
 
 
-PER_SM = 8  # K-split target, programs per SM (24-48 for 8-bit codes and 16 for 4-bit measured slower: RESULTS.md)
+# K-split target, programs per SM, per code layout (24-48 for 8-bit codes and 16 for 4-bit measured
+# slower; 4-bit at 4: int4 501 vs 493 tok/s, q4k -0.7%, within noise; 8-bit at 4: -0.7%: RESULTS.md,
+# session 11). PER_SM, when set (benchmarks), overrides both.
+LAYOUT_PER_SM = {"nibble": 4, "byte": 8}
+PER_SM = None
 
 
 def plan(meta: QMeta, block_n: int, block_k: int, splits, per_sm: int | None = None):
     """(column tiles, sub-groups per step S, K splits, steps per split, total steps). Without `splits`,
-    K is split until there are ~per_sm programs per SM (default PER_SM)."""
+    K is split until there are ~per_sm programs per SM (default PER_SM, else LAYOUT_PER_SM)."""
     if meta.N % block_n:
         raise ValueError(f"dp4a: N={meta.N} is not a multiple of block_n={block_n}")
-    sub = layout(meta)[1]
+    kind, sub = layout(meta)[:2]
     S = step_subgroups(meta.Kp // sub, block_k, sub)
     nsteps, tiles = meta.Kp // sub // S, meta.N // block_n
     if splits is None:
-        splits = max(1, min(nsteps, -(-(per_sm or PER_SM) * NUM_SMS // tiles)))
+        splits = max(1, min(nsteps, -(-(per_sm or PER_SM or LAYOUT_PER_SM[kind]) * NUM_SMS // tiles)))
     per = -(-nsteps // splits)
     return tiles, S, -(-nsteps // per), per, nsteps
 
