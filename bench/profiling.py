@@ -60,10 +60,12 @@ def print_table(lines, per: int, label: str = "", top: int = 25) -> None:
 
 
 def module_timeline(fn):
-    """Run fn once under jax.profiler.trace; return (programs, busy_ns, span_ns, line_names): programs
-    = [(name, start_ns, end_ns)] from the GPU planes' "XLA Modules" line (one per program execution),
-    busy_ns = the union of all kernel/copy intervals on the stream lines, span_ns = first start to last
-    end. What the device did during a whole `LLM.generate`, and where it waited for the host."""
+    """Run fn once under jax.profiler.trace; return (programs, busy_ns, span_ns, line_names, gaps):
+    programs = [(name, start_ns, end_ns)] from the GPU planes' "XLA Modules" line (one per program
+    execution; the H200 trace of a run in CUDA graphs had no such line, session 11), busy_ns = the union
+    of all kernel/copy intervals on the stream lines, span_ns = first start to last end, gaps = the
+    idle intervals' lengths between them (ns). What the device did during a whole `LLM.generate`, and
+    where it waited for the host."""
     from jax.profiler import ProfileData
 
     with tempfile.TemporaryDirectory() as d:
@@ -83,24 +85,32 @@ def module_timeline(fn):
                 programs += [(ev.name, ev.start_ns, ev.end_ns) for ev in line.events]
             elif line.name.startswith("Stream"):
                 spans += [(ev.start_ns, ev.end_ns) for ev in line.events]
-    busy, cur = 0, None
+    busy, cur, gaps = 0, None, []
     for s, e in sorted(spans):
         if cur is None or s > cur[1]:
-            busy += 0 if cur is None else cur[1] - cur[0]
+            if cur is not None:
+                busy += cur[1] - cur[0]
+                gaps.append(s - cur[1])
             cur = [s, e]
         else:
             cur[1] = max(cur[1], e)
     busy += 0 if cur is None else cur[1] - cur[0]
     span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0
-    return sorted(programs, key=lambda p: p[1]), busy, span, sorted(names)
+    return sorted(programs, key=lambda p: p[1]), busy, span, sorted(names), gaps
 
 
-def print_timeline(programs, busy_ns, span_ns, line_names, label: str = "") -> None:
-    """Per program name: executions, mean device time, and the mean idle gap before each execution
-    (from the previous execution's end; the host's share of the step when async dispatch is not
-    hiding it)."""
+def print_timeline(programs, busy_ns, span_ns, line_names, gaps=(), label: str = "") -> None:
+    """The device's idle gaps by length (count, total ms: many short ones are launch gaps, long ones
+    the host), then per program name: executions, mean device time, and the mean idle gap before each
+    execution (from the previous execution's end; the host's share of the step when async dispatch is
+    not hiding it)."""
     print(f"## {label} device timeline: busy {busy_ns / 1e6:.1f} of {span_ns / 1e6:.1f} ms "
           f"({busy_ns / max(span_ns, 1):.3f}); lines: {', '.join(line_names)[:300]}")
+    edges = [0, 10_000, 100_000, 1_000_000, 10_000_000, float("inf")]  # ns
+    print("| idle gap | count | total ms |\n|---|---|---|")
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [g for g in gaps if lo <= g < hi]
+        print(f"| {lo / 1e3:g}-{hi / 1e3:g} us | {len(sel)} | {sum(sel) / 1e6:.1f} |")
     stats: dict[str, list] = defaultdict(lambda: [0, 0, 0, 0])  # n, dur, gaps, gap count
     prev_end = None
     for name, s, e in programs:
