@@ -5,6 +5,7 @@
 #                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
 #                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
+#                                               fp8-profile
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -71,8 +72,11 @@ for part in "$@"; do
     # Prepared (session 10, not run yet): does the device wait for the host inside LLM.generate at 32
     # sequences (generate 5,258 tok/s vs the same program back to back 5,678)? Per program: device time
     # and the idle gap before each run.
-    timeline) timeout 200 python3 bench/throughput.py $A --runs 2 --workloads 32x1024x128,1x128x256 --timeline \
-                2>&1 | grep -v "^  run" | grep -A8 "device timeline" ;;
+    timeline) timeout 150 python3 bench/throughput.py $A --runs 2 --workloads 32x1024x128 --timeline \
+                2>&1 | grep -v "^  run" | grep -A10 "device timeline" ;;
+    # Where an FP8 bs1 step goes with the CUDA-core GEMV (session 11)
+    fp8-profile) timeout 110 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 1 --quant fp8 \
+                   --profile 1 2>&1 | grep -A30 "^| name" ;;
     # Prepared (session 10, not run yet): do the int8 kernel's split-K partials into the norm/RoPE
     # kernels still pay with the loop in CUDA graphs (the norm after down takes 3.85 us with 7
     # partials vs 2.3 us without; XLA's reduction was ~1.2-1.4 us)? Interleaved A/B through generate.
