@@ -157,8 +157,8 @@ def main(argv=None):
                 pallas_dp4a.engine_qmatmul.takes_split_out = ss == "on"
             tag = (ps, ss)
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
-            # The program store keys programs by configs and kernel names, not by these module
-            # settings: with it on, every variant after the first would load the first's program.
+            # Variants compile fresh (no program store; since session 11 its key includes these
+            # module settings too, program_store.kernel_settings, so it would miss anyway).
             vcfg = ecfg if tag == (None, None) else ecfg.replace(program_store=False)
             eng = LLMEngine(lm, engine_config=vcfg, attention=attention, warmup=False)
             llm = LLM.from_engine(eng)

@@ -169,3 +169,26 @@ def test_prompt_logprobs_in_row_chunks_are_the_same_and_need_less_memory(tmp_pat
         assert lp_a == pytest.approx(lp_b, abs=1e-5)
         assert [t for t, _ in top_a] == [t for t, _ in top_b]
     assert temps[16] < temps[4096], temps
+
+
+def test_program_store_key_follows_kernel_settings(tmp_path, monkeypatch):
+    """Kernel settings changed at run time (benchmarks' K-split targets, tile tables, split-sum flags)
+    change the store's fingerprint, so a program traced under other settings is never loaded; the same
+    settings give the same fingerprint."""
+    from jaxserve.engine.program_store import ProgramStore
+    from jaxserve.kernels.quant_matmul import pallas_dp4a, pallas_fp8
+
+    def fp():
+        return ProgramStore(tmp_path, "ctx").fingerprint
+
+    base = fp()
+    assert fp() == base
+    monkeypatch.setattr(pallas_dp4a, "PER_SM", 6)
+    per_sm = fp()
+    assert per_sm != base
+    monkeypatch.setitem(pallas_fp8.GEMV, "block_n", 64)
+    assert fp() not in (base, per_sm)
+    monkeypatch.undo()
+    assert fp() == base
+    monkeypatch.setattr(pallas_dp4a.engine_qmatmul, "takes_split_out", False)
+    assert fp() != base

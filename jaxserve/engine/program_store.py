@@ -3,7 +3,8 @@
 JAX's persistent compilation cache is keyed by the lowered module: every start still traces and lowers
 each program in Python (measured on an H200 for Llama-3.1-8B: ~1 s per program, 15 s of a 26 s warm
 start). This store keys a serialized executable by what determines the program instead — jaxserve's
-own source, the jax/jaxlib versions, the devices, XLA_FLAGS, the model and engine configs, the KV
+own source, the kernel modules' settings as they are at start, the jax/jaxlib versions, the devices,
+XLA_FLAGS, the model and engine configs, the KV
 block count, the kernels chosen, the program's bucket and the abstract arguments (tree structure,
 shapes, dtypes, shardings) — and loads it without tracing. Anything it cannot read is a miss: the
 program is then lowered and compiled as usual (and JAX's cache still applies).
@@ -85,6 +86,39 @@ def environment() -> str:
                  str(jax.config.jax_default_matmul_precision)))
 
 
+_PLAIN = (int, float, str, bool, tuple, list, dict, type(None))
+
+
+def kernel_settings() -> str:
+    """The loaded kernel modules' settings: UPPERCASE module values of plain types and functions'
+    `takes_*` flags. Benchmarks change some at run time (pallas_dp4a.PER_SM, pallas_fp8.GEMV, ...)
+    and read them while tracing; a program traced under other settings must be a miss. Every kernel
+    module is imported first (~0.1 s), so the answer does not depend on which ones a process has
+    traced with already."""
+    import importlib
+    import pkgutil
+    import sys
+    import types
+
+    import jaxserve.kernels as kernels
+
+    names = [m.name for m in pkgutil.walk_packages(kernels.__path__, "jaxserve.kernels.")]
+    for name in names:
+        importlib.import_module(name)
+    out = []
+    for name in sorted(["jaxserve.kernels"] + names):
+        for attr, v in sorted(vars(sys.modules[name]).items()):
+            if isinstance(v, types.MappingProxyType):
+                v = dict(v)
+            if attr.isupper() and isinstance(v, _PLAIN):
+                out.append((name, attr, repr(v)))
+            elif isinstance(v, types.FunctionType) and v.__module__ == name:
+                flags = sorted((k, repr(f)) for k, f in vars(v).items() if k.startswith("takes_"))
+                if flags:
+                    out.append((name, attr, repr(flags)))
+    return repr(out)
+
+
 def _describe_args(args) -> str:
     leaves, tree = jax.tree.flatten(args)
     return str(tree) + repr([(tuple(a.shape), str(a.dtype), repr(getattr(a, "sharding", None))) for a in leaves])
@@ -96,7 +130,8 @@ class ProgramStore:
 
     def __init__(self, root: str | os.PathLike, context: str):
         self.root = Path(root)
-        self.fingerprint = hashlib.sha256((source_digest() + environment() + context).encode()).hexdigest()
+        self.fingerprint = hashlib.sha256((source_digest() + environment() + kernel_settings()
+                                           + context).encode()).hexdigest()
 
     def _path(self, key, args) -> Path:
         h = hashlib.sha256((self.fingerprint + repr(key) + _describe_args(args)).encode()).hexdigest()[:40]
