@@ -5,7 +5,7 @@
 #                                               tests-fp8 startup-noat bf16-noat ksteps dp4a-split
 #                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
-#                                               fp8-profile
+#                                               fp8-profile timeline-nographs fp8-warps
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -74,6 +74,14 @@ for part in "$@"; do
     # and the idle gap before each run.
     timeline) timeout 150 python3 bench/throughput.py $A --runs 2 --workloads 32x1024x128 --timeline \
                 2>&1 | grep -v "^  run" | grep -A10 "device timeline" ;;
+    # Prepared (session 11, not run yet): the same timeline with the decode loop outside CUDA graphs
+    # (are the >10 ms "idle" gaps the graphs' own untraced kernels?), and fewer warps per FP8 GEMV
+    # program (more programs per SM for the small o/qkv matmuls).
+    timeline-nographs) JAXSERVE_XLA_DEFAULTS=0 timeout 150 python3 bench/throughput.py $A --runs 2 \
+                  --workloads 32x1024x128 --timeline 2>&1 | grep -v "^  run" | grep -A10 "device timeline" ;;
+    fp8-warps) timeout 150 python3 bench/fp8_gpu.py --M 1 --variant gemv_num_warps=2 \
+                 --variant gemv_num_warps=2,gemv_per_sm=16 --variant gemv_num_warps=1,gemv_per_sm=16 2>&1 \
+                 | grep "^|" | grep -v "xla bf16\|q0\|per-column" ;;
     # Where an FP8 bs1 step goes with the CUDA-core GEMV (session 11)
     fp8-profile) timeout 110 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 1 --quant fp8 \
                    --profile 1 2>&1 | grep -A30 "^| name" ;;
