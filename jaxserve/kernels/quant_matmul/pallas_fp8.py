@@ -15,7 +15,11 @@ loses nothing (values more than 2^29 below the piece's largest go to f16 subnorm
 the f32 sum's own rounding); f32 x is rounded to f16's 11 bits.
 
 Scope: code 'e4m3', float scale, one scale per (128 rows, column) (FP8 block-wise checkpoints), K a
-multiple of 128 (no padding); any number of rows (tiles of block_m), fastest for decode.
+multiple of 128 (no padding); any number of rows (tiles of block_m).
+
+One-row decode steps take `gemv` instead (CUDA cores, no rounding of x: f32 multiply-adds of the
+hardware-converted codes; 1.3-1.4x this kernel per matmul at one row, slower at 2-4 rows; bs1 333
+tok/s through generate vs 251: bench/RESULTS.md, session 11).
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ NUM_SMS = 132
 GROUP = 128
 BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when they are 128x128 blocks
 # The CUDA-core GEMV for decode rows (M <= max_m; 0 turns it off): columns per tile (dividing 128),
-# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages. Measured per matmul on the H200 (bench/RESULTS.md, session 11): block_n 32 the
-# fastest of 32/64/128 on all four Llama-8B shapes; at M = 2 and 4 the tensor-core kernel is faster.
+# K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages. Measured
+# on the H200 (bench/RESULTS.md, session 11): block_n 32 the fastest of 16-128 on all four Llama-8B
+# shapes; at M = 2 and 4 the tensor-core kernel is faster.
 GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
 
 
