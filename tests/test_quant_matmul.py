@@ -518,3 +518,21 @@ def test_fp8_kernel_hardware_gate():
     if INTERPRET:  # a CPU: the runner keeps q0 there
         assert f8.for_device(w, "bfloat16") is w
     assert f8.for_device(w, "float32") is w  # f32 compute keeps the exact float-code kernels everywhere
+
+
+def test_dp4a_split_target_per_layout(monkeypatch):
+    """The int8 kernel's K-split target is per code layout (4 programs per SM for 4-bit codes, 8 for
+    8-bit: measured on the H200, RESULTS.md session 11) unless PER_SM or the call sets one."""
+    import dataclasses
+
+    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
+
+    # Llama-8B's down projection: 128 column tiles of 32, 14 steps of 32 sub-groups of 32 rows
+    for fmt, kind, splits in (("q4_0", "nibble", 5), ("q8_0", "byte", 7)):  # ceil(4|8 * 132 / 128) -> 5|9, <= 14
+        meta = dataclasses.replace(isq.quantize(np.zeros((14336, 64), np.float32), fmt).meta, N=4096)
+        assert dp.layout(meta)[0] == kind
+        assert dp.plan(meta, 32, 1024, None)[2:] == (splits, -(-14 // splits), 14)
+        monkeypatch.setattr(dp, "PER_SM", 16)  # a benchmark's setting overrides both
+        assert dp.plan(meta, 32, 1024, None)[2] == 14
+        monkeypatch.setattr(dp, "PER_SM", None)
+        assert dp.plan(meta, 32, 1024, None, per_sm=16)[2] == 14
