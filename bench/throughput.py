@@ -157,10 +157,9 @@ def main(argv=None):
                 pallas_dp4a.engine_qmatmul.takes_split_out = ss == "on"
             tag = (ps, ss)
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
-            # Variants compile fresh (no program store; since session 11 its key includes these
-            # module settings too, program_store.kernel_settings, so it would miss anyway).
-            vcfg = ecfg if tag == (None, None) else ecfg.replace(program_store=False)
-            eng = LLMEngine(lm, engine_config=vcfg, attention=attention, warmup=False)
+            # The program store's key includes these module settings (program_store.kernel_settings):
+            # a variant never loads a program traced under another one.
+            eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
             llm = LLM.from_engine(eng)
         eng.ecfg = eng.ecfg.replace(async_scheduling=mode)  # read by LLMEngine.step only
         eng.scheduler.cfg = eng.scheduler.cfg.replace(decode_steps=k)  # the scheduler picks K per step

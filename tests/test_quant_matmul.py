@@ -481,6 +481,8 @@ def test_fp8_gemv(M, dtype, tun):
         f8.gemv(x, per_col, layer=1, fold=True, interpret=INTERPRET)
     with pytest.raises(ValueError, match="unknown tuning"):
         f8.gemv(x, kn, layer=1, blockn=64, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="unknown tuning"):  # also when the rows take the tensor cores
+        f8.qmatmul(x, kn, layer=1, gemv_max_m=0, gemv_blockn=64, interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"\[N, K\]"):
         f8.gemv(x, qw, layer=1, interpret=INTERPRET)  # q0 [K, N]: the tensor-core kernel's
     # routing: M rows up to max_m take the GEMV (its pallas_call named so in the jaxpr), else the tensor cores

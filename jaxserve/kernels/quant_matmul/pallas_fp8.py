@@ -18,7 +18,7 @@ Scope: code 'e4m3', float scale, one scale per (128 rows, column) (FP8 block-wis
 multiple of 128 (no padding); any number of rows (tiles of block_m).
 
 One-row decode steps take `gemv` instead (CUDA cores, no rounding of x: f32 multiply-adds of the
-hardware-converted codes; 1.3-1.4x this kernel per matmul at one row, slower at 2-4 rows; bs1 333
+hardware-converted codes; 1.3-1.5x this kernel per matmul at one row, slower at 2-4 rows; bs1 333
 tok/s through generate vs 251: bench/RESULTS.md, session 11).
 """
 
@@ -241,6 +241,9 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     bad = [k for k in gemv_tuning if not k.startswith("gemv_")]
     if bad:
         raise TypeError(f"fp8 kernel: unknown keywords {bad}")
+    unknown = set(gt) - set(GEMV) - {"splits"}  # checked here too: rows past max_m never reach gemv
+    if unknown:
+        raise ValueError(f"fp8 gemv: unknown tuning {sorted(unknown)}; known: {sorted(GEMV)}")
     nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
     if nk and M <= (GEMV["max_m"] if gemv_max_m is None else gemv_max_m):
         return gemv(x, qw, layer=layer, splits=gt.pop("splits", splits), split_out=split_out, interpret=interpret, **gt)
