@@ -225,8 +225,9 @@ def main(argv=None):
 
             kw = dict(kv.split("=") for kv in reduce[0].split(",")) if reduce else {}  # MODE:MAX_M:K=V,...
             kw = {k: int(v) if v.isdigit() else v for k, v in kw.items()}
-            qmatmul = (functools.partial(pallas_kmajor.qmatmul_with_copy, decode_max_m=int(max_m), **kw)
-                       if mode == "kmajor" else functools.partial(pallas_dp4a.engine_qmatmul, max_m=int(max_m), **kw))
+            base = pallas_kmajor.qmatmul_with_copy if mode == "kmajor" else pallas_dp4a.engine_qmatmul
+            qmatmul = functools.partial(base, **{"decode_max_m" if mode == "kmajor" else "max_m": int(max_m)}, **kw)
+            qmatmul.takes_split_out = getattr(base, "takes_split_out", False)  # as the engine's own
         else:
             qmatmul = functools.partial(qpt.qmatmul, decode_mode=mode, decode_max_m=int(max_m),
                                         **({"reduce": reduce[0]} if reduce else {}))

@@ -6,6 +6,7 @@
 #                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
 #                                               fp8-profile timeline-nographs fp8-warps
+#                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -108,6 +109,15 @@ for part in "$@"; do
              tp 200 --workloads 1x128x512 --quant int4 --int8-activations --dp4a-split-sums on,off,on,off | tail -6 ;;
     tests-fp8) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x tests/test_fp8_engine.py \
                  tests/test_quant_matmul.py -k fp8 2>&1 | tail -2 ;;
+    # One-row matmuls of byte-coded weights (q8_0, q6k) on the CUDA cores (pallas_byte_gemv, session 12):
+    # GPU tests, per matmul against the int8 kernel with its tuning, then through generate, interleaved
+    tests-bgemv) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -x \
+                   tests/test_quant_matmul.py -k "byte_gemv or dp4a" 2>&1 | tail -2 ;;
+    bgemv-mm) timeout 200 python3 bench/byte_gemv_gpu.py --formats q8_0 --shapes o,gate_up 2>&1 | grep "^|"
+              timeout 120 python3 bench/byte_gemv_gpu.py --formats q8_0,q6k --shapes qkv,down,head \
+                --variant group_dot=1 --variant num_warps=8 2>&1 | grep "^|" | grep -v "format\|---" ;;
+    bgemv-ab) tp 250 --workloads 1x128x512 --quant q8_0 --int8-activations --byte-gemv on,off,on,off | tail -6 ;;
+    bgemv-q4k) tp 150 --workloads 1x128x512 --quant q4k --int8-activations --byte-gemv on,off | tail -4 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done

@@ -88,6 +88,10 @@ def main(argv=None):
                     help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
                          "value, the int8 kernel handing its split-K partials to the norm and RoPE kernels "
                          "(on, the default) or adding them in XLA first (off)")
+    ap.add_argument("--byte-gemv", default=None,
+                    help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
+                         "value, one-row matmuls of byte-coded weights (q8_0, q6k, ...) on the byte GEMV "
+                         "(pallas_byte_gemv, on: the default) or the int8 kernel (off)")
     ap.add_argument("--timeline", action="store_true",
                     help="after each workload's runs, one more under jax.profiler: per program, device "
                          "time and the idle gap before it (GPU)")
@@ -143,19 +147,25 @@ def main(argv=None):
     modes = [m == "on" for m in args.async_scheduling.split(",")]
     # Engine variants (a fresh engine each, same weights): the int8 kernel's K-split target, and
     # whether it hands split-K partials to its consumers; both are read when programs trace.
-    engs = [(p, None) for p in args.dp4a_per_sm.split(",")] if args.dp4a_per_sm else [(None, None)]
+    engs = [(p, None, None) for p in args.dp4a_per_sm.split(",")] if args.dp4a_per_sm else [(None, None, None)]
     if args.dp4a_split_sums:
-        engs = [(p, ss) for p, _ in engs for ss in args.dp4a_split_sums.split(",")]
+        engs = [(p, ss, None) for p, _, _ in engs for ss in args.dp4a_split_sums.split(",")]
+    if args.byte_gemv:
+        engs = [(p, ss, bgv) for p, ss, _ in engs for bgv in args.byte_gemv.split(",")]
     eng = tag = None
-    for (ps, ss), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes for w in wls]:
-        if eng is None or tag != (ps, ss):
-            from jaxserve.kernels.quant_matmul import pallas_dp4a
+    bg_default = None
+    for (ps, ss, bgv), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes for w in wls]:
+        if eng is None or tag != (ps, ss, bgv):
+            from jaxserve.kernels.quant_matmul import pallas_byte_gemv, pallas_dp4a
 
             if ps is not None:
                 pallas_dp4a.PER_SM = int(ps)
             if ss is not None:
                 pallas_dp4a.engine_qmatmul.takes_split_out = ss == "on"
-            tag = (ps, ss)
+            if bgv is not None:
+                bg_default = pallas_byte_gemv.GEMV["max_m"] if bg_default is None else bg_default
+                pallas_byte_gemv.GEMV["max_m"] = (bg_default or 1) if bgv == "on" else 0
+            tag = (ps, ss, bgv)
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
             # The program store's key includes these module settings (program_store.kernel_settings):
             # a variant never loads a program traced under another one.
@@ -184,7 +194,8 @@ def main(argv=None):
         pre = statistics.median(x[0] for x in runs)
         dec = statistics.median(x[1] for x in runs)
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
-                   + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else ""),
+                   + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else "")
+                   + (f" byte_gemv={bgv}" if bgv else ""),
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,

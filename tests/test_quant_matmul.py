@@ -315,6 +315,49 @@ def test_dp4a_kernel(fmt, M, block_k, xq):
         np.testing.assert_allclose(np.asarray(ys.total()), y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_1", "q5k", "q6k", "q8_0", "int8"])
+@pytest.mark.parametrize("M,dtype,tun", [
+    (1, jnp.bfloat16, {}),  # decode: 4 steps of 128 rows, 4 K splits
+    (1, jnp.float32, dict(group_dot=1, block_k=64, per_sm=1, max_splits=3)),  # 8 steps in 3 splits
+    (2, jnp.float32, dict(block_n=64, splits=1)),  # one split: x's dtype written
+], ids=str)
+def test_byte_gemv(fmt, M, dtype, tun):
+    """The CUDA-core GEMV over the int8 kernel's byte code copy (pallas_byte_gemv.py, interpreted)
+    computes x @ dequantize(W) exactly up to f32 rounding (x is not rounded to int8): every code made
+    an f32 from its bits, each weight scaled or each sub-group's dot (group_dot); a stacked weight's
+    layer; split-K partials for a consumer; and engine_qmatmul sends up to GEMV['max_m'] rows there
+    (bgemv_max_m=0: the int8 kernel)."""
+    from jaxserve.kernels.quant_matmul import pallas_byte_gemv as bg
+    from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
+    from jaxserve.kernels.split_sum import SplitSum
+
+    qw = _weight(fmt, k=512, n=64, layers=2)
+    assert bg.supports(qw.meta, M) and not bg.supports(_weight("q4k").meta, 1)  # 4-bit: the int8 kernel's
+    qk = dp.repack(qw)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 512)), dtype)
+    xf = np.asarray(x, np.float32)
+    want = _oracle(xf, qw, 1)
+    rtol = 4e-3 if dtype == jnp.bfloat16 else 1e-5
+    ys = bg.gemv(x, qw, qk, layer=1, split_out=True, interpret=INTERPRET, **tun)
+    *_, splits, _, _ = bg.plan(qw.meta, tun.get("block_n", 32), tun.get("block_k", 128), tun.get("per_sm", 8),
+                               tun.get("max_splits", 8), tun.get("splits"))
+    if splits > 1:
+        assert isinstance(ys, SplitSum) and ys.parts.shape == (splits, M, 64) and ys.dtype == x.dtype
+        got = np.sum(np.asarray(ys.parts, np.float64), 0)
+    else:
+        assert ys.dtype == dtype
+        got = np.asarray(ys, np.float64)
+    assert np.abs(got - want).max() / np.abs(want).max() < (1e-5 if INTERPRET else 1e-4)
+    _check(bg.gemv(x, qw, qk, layer=1, interpret=INTERPRET, **tun), want, rtol=rtol)
+    with pytest.raises(ValueError, match="unknown tuning"):
+        bg.gemv(x, qw, qk, layer=1, blockn=64, interpret=INTERPRET)
+    q1 = dp.attach({"w": qw[1]})["w"]  # the engine's weight: the copy attached as a leaf
+    names = lambda **kw: str(jax.make_jaxpr(lambda v: dp.engine_qmatmul(v, q1, interpret=INTERPRET, **kw))(x))  # noqa: E731
+    assert "qbyte_gemv" in names(bgemv_max_m=M) and "qdp4a" not in names(bgemv_max_m=M)
+    assert "qbyte_gemv" not in names(bgemv_max_m=M - 1) and "qdp4a" in names(bgemv_max_m=M - 1)
+    _check(dp.engine_qmatmul(x, q1, bgemv_max_m=M, bgemv_block_n=16, interpret=INTERPRET), want, rtol=rtol)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4k", "int4"])
 @pytest.mark.parametrize("M", [3, 17])
 def test_imma_kernel(fmt, M):

@@ -227,6 +227,38 @@ def test_int8_activations_engine(tmp_path):
     assert np.abs(runs["int8"][2] - runs["exact"][2]).max() > 1e-5
 
 
+def test_int8_activations_byte_codes_decode_exact(tmp_path):
+    """With int8_activations, one-row decode steps of a model with byte-coded weights (ISQ q8_0) take
+    the byte GEMV (pallas_byte_gemv: x not rounded), so greedy tokens and output logprobs equal the
+    exact packed run's; with the GEMV off (GEMV['max_m'] = 0) the int8 kernel rounds x and they differ."""
+    from hf_tiny import make_tiny_model
+    from tiny_tokenizer import add_byte_tokenizer
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.kernels.quant_matmul import pallas_byte_gemv
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    base = dict(max_model_len=64, max_num_seqs=1, kv_mem_mb=8, isq="q8_0", packed_weights=True, program_store=False)
+    runs = {}
+    for name, kw, max_m in (("exact", {}, 1), ("gemv", dict(int8_activations=True), 1),
+                            ("int8", dict(int8_activations=True), 0)):
+        old = pallas_byte_gemv.GEMV["max_m"]
+        pallas_byte_gemv.GEMV["max_m"] = max_m  # read when the programs trace (in the constructor)
+        try:
+            eng = LLMEngine(str(d), engine_config=EngineConfig(**base, **kw))
+        finally:
+            pallas_byte_gemv.GEMV["max_m"] = old
+        o = LLM.from_engine(eng).generate("hello byte codes", sp)[0]
+        runs[name] = (o.outputs[0].token_ids, np.array([lp for lp, _ in o.outputs[0].logprobs]))
+        del eng
+    assert runs["gemv"][0] == runs["exact"][0]
+    assert np.abs(runs["gemv"][1] - runs["exact"][1]).max() <= 1e-4
+    assert np.abs(runs["int8"][1] - runs["exact"][1]).max() > 1e-4
+
+
 def test_split_sums_reach_their_consumers():
     """A quantized matmul that `takes_split_out` may hand the q/k/v, o and down outputs to their
     consumers (RoPE + K/V write, add + RMSNorm, the next layer's add + RMSNorm) as split-K partials

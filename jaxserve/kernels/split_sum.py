@@ -49,3 +49,13 @@ def add_parts(parts):
 def total(y):
     """y itself, or a SplitSum's total."""
     return y.total() if isinstance(y, SplitSum) else y
+
+
+def finish_parts(out, split_out: bool, x, N: int):
+    """A split-K GEMV's [splits, M, N] output in x's shape: one split as it is (the kernel wrote x's
+    dtype), else a SplitSum for the consumer (split_out) or the parts added here."""
+    if out.shape[0] == 1:
+        return out[0].reshape(*x.shape[:-1], N)
+    if split_out:
+        return SplitSum(out.reshape(out.shape[0], *x.shape[:-1], N), x.dtype)
+    return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], N)

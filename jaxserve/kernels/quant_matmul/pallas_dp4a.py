@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul.pallas_gemv import _factors
-from jaxserve.kernels.split_sum import SplitSum, add_parts
+from jaxserve.kernels.split_sum import finish_parts
 from jaxserve.quant.qweight import QMeta, QWeight, codes, leaf_names
 
 MAX_M = 4
@@ -307,11 +307,7 @@ def qmatmul(x, qw: QWeight, qk, *, layer=None, block_n=32, block_k=1024, splits=
     out = pl.pallas_call(kernel, grid=(tiles, splits), in_specs=[full] * len(args), out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
                          compiler_params=cp, name=f"qdp4a_{meta.fmt}_m{M}_n{bn}_s{splits}_{xq}")(*args)
-    if splits == 1:
-        return out[0].reshape(*x.shape[:-1], meta.N)
-    if split_out:
-        return SplitSum(out.reshape(splits, *x.shape[:-1], meta.N), x.dtype)
-    return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], meta.N)
+    return finish_parts(out, split_out, x, meta.N)
 
 
 # ------------------------------------------------------------------ the engine's int8_activations path
@@ -361,9 +357,16 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     M = math.prod(x.shape[:-1])
     kw = dict(kw)
     imma_kw = {k[5:]: kw.pop(k) for k in list(kw) if k.startswith("imma_")}  # e.g. imma_block_n=128
+    bg_kw = {k[6:]: kw.pop(k) for k in list(kw) if k.startswith("bgemv_")}  # e.g. bgemv_max_m=0
     kw.setdefault("xq", "kernel")
     bn = kw.get("block_n", qmatmul.__kwdefaults__["block_n"])
     qk = _copy_of(qw)
+    if qk is not None:
+        from jaxserve.kernels.quant_matmul import pallas_byte_gemv as bg
+
+        bg_max = bg_kw.pop("max_m", bg.GEMV["max_m"])
+        if M <= bg_max and bg.supports(qw.meta, M) and qw.meta.N % bg_kw.get("block_n", bg.GEMV["block_n"]) == 0:
+            return bg.gemv(x, qw, qk, split_out=split_out and BYTE_GEMV_SPLIT_SUMS, **bg_kw)
     if qk is not None and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
         return qmatmul(x, qw, qk, split_out=split_out, **kw)
     if qk is not None and max_m < M <= imma_max_m:
@@ -375,4 +378,6 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     return quant_matmul.apply(x, qw, None, split_out)
 
 
+# Whether the byte GEMV (pallas_byte_gemv) hands its split-K partials to the consumer kernels too.
+BYTE_GEMV_SPLIT_SUMS = True
 engine_qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxserve.kernels.split_sum import SplitSum, add_parts
+from jaxserve.kernels.split_sum import finish_parts
 from jaxserve.quant.qweight import KN_CODES, QMeta, QWeight
 
 NUM_SMS = 132
@@ -162,16 +162,6 @@ def _layered(qw: QWeight, layer, scale_name: str):
     return q, s, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
-def _finish(out, splits, split_out, x, N):
-    """The kernels' [splits, M, N] output as x's shape: one split as it is, else a SplitSum for the
-    consumer (split_out) or the parts added here."""
-    if splits == 1:
-        return out[0].reshape(*x.shape[:-1], N)
-    if split_out:
-        return SplitSum(out.reshape(splits, *x.shape[:-1], N), x.dtype)
-    return add_parts(out).astype(x.dtype).reshape(*x.shape[:-1], N)
-
-
 def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False, interpret=None, **tuning):
     """x [..., K] (at most a few rows) @ W for e4m3 block-wise W held [N, K] (`to_kn`), on the CUDA
     cores: f32 products and sums of the exact codes (x is not rounded to f16). fold (default: when qw
@@ -207,7 +197,7 @@ def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
                          compiler_params=cp,
                          name=f"qfp8_gemv_m{M}_n{bn}_k{bk}_s{splits}" + ("_fold" if fold else ""))(layer, x2, q, s)
-    return _finish(out, splits, split_out, x, meta.N)
+    return finish_parts(out, split_out, x, meta.N)
 
 
 def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: int = 1, unroll: int = 1):
@@ -263,7 +253,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     out = pl.pallas_call(kernel, grid=(tiles, splits, mtiles), in_specs=[full] * 4, out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
                          compiler_params=cp, name=f"qfp8_m{Mp}_n{bn}_s{splits}")(layer, x2, q, s)
-    return _finish(out, splits, split_out, x, meta.N)
+    return finish_parts(out, split_out, x, meta.N)
 
 
 _transpose = jax.jit(lambda q: jnp.swapaxes(q, -1, -2))  # one compile per shape, not per weight
