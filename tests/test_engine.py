@@ -55,6 +55,22 @@ def test_batched_equals_alone(llm):
         assert len(t.outputs[0].token_ids) == 24
 
 
+def test_staggered_max_tokens_in_one_batch(llm):
+    """Sequences reaching max_tokens one after another inside 4-step decodes (the others' steps are
+    not cut short: the ended ones' last tokens are computed into the null block or their own last
+    block's free slots, then dropped): each output is the prefix of the sequence's longest greedy
+    run, alone; run twice, so the second batch reads the first's cached prefix blocks."""
+    lens = [5, 7, 10, 13, 18, 26]
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(len(lens))]
+    alone = [llm.generate(p, _greedy(26))[0].outputs[0].token_ids for p in prompts]
+    eng = llm.engine
+    for _ in range(2):
+        n0 = eng.num_ahead_steps
+        outs = llm.generate(prompts, [_greedy(n) for n in lens])
+        assert [o.outputs[0].token_ids for o in outs] == [a[:n] for a, n in zip(alone, lens)]
+        assert eng.num_ahead_steps - n0 >= 3
+
+
 def test_greedy_matches_transformers_with_chunked_prefill(llm):
     """A prompt longer than the 64-token chunk, greedy tokens identical to transformers' generate."""
     import torch

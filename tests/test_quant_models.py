@@ -228,9 +228,10 @@ def test_int8_activations_engine(tmp_path):
 
 
 def test_int8_activations_byte_codes_decode_exact(tmp_path):
-    """With int8_activations, one-row decode steps of a model with byte-coded weights (ISQ q8_0) take
-    the byte GEMV (pallas_byte_gemv: x not rounded), so greedy tokens and output logprobs equal the
-    exact packed run's; with the GEMV off (GEMV['max_m'] = 0) the int8 kernel rounds x and they differ."""
+    """With int8_activations and the byte GEMV on (GEMV['max_m'] = 1; off by default, slower on the
+    H200), one-row decode steps of a model with byte-coded weights (ISQ q8_0) take it (x not rounded),
+    so greedy tokens and output logprobs equal the exact packed run's; with it off the int8 kernel
+    rounds x and they differ."""
     from hf_tiny import make_tiny_model
     from tiny_tokenizer import add_byte_tokenizer
 

@@ -41,6 +41,11 @@ class FakeRunner:
         return seq.block_table[pos // self.bs], pos % self.bs
 
     def _write(self, seq, pos, tok):
+        if pos >= len(seq.block_table) * self.bs:
+            # as the real runner: block tables are padded with the null block 0 (a sequence past its
+            # max_tokens inside a multi-step decode); a later read of this position fails _check_prefix
+            self.kv[0][pos % self.bs] = tok
+            return
         b, o = self._slot(seq, pos)
         assert b != 0
         self.kv[b][o] = tok
@@ -372,6 +377,47 @@ def test_multi_step_falls_back_when_lookahead_blocks_are_missing():
     out = sched.schedule()
     assert out.decode_steps == 1  # K=4 needs positions 7..10: 2 more blocks, none free
     sched.update(out, runner.run(out), lambda t: False)
+
+
+def test_multi_step_not_cut_short_by_one_sequence_ending():
+    """A sequence that reaches max_tokens inside a multi-step does not shorten it for the others: it
+    gets slots only for its own tokens, its extra tokens are dropped, the others take all K."""
+    cfg, bm, sched = make({"decode_steps": 4, "max_num_seqs": 2})
+    runner = FakeRunner(bm)
+    a, b = seq(range(6), "a", max_tokens=3), seq(range(20, 26), "b", max_tokens=30)
+    sched.add(a)
+    sched.add(b)
+    step(sched, runner)  # both prefilled: one token each
+    out = sched.schedule()
+    assert out.decode_steps == 4
+    assert len(a.block_table) * 4 == 8  # positions 6, 7 (a's last two tokens): no slot past them
+    sched.update(out, runner.run(out), lambda t: t == EOS)
+    assert a.finish_reason == FinishReason.LENGTH and a.output_token_ids == expected_outputs(a, 3)
+    assert len(b.output_token_ids) == 5
+    drain(sched, runner)
+    assert b.output_token_ids == expected_outputs(b, 30)
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_staggered_lengths_keep_steps_ahead():
+    """Requests that end by length one after another (as a batch admitted over several prefill steps
+    does): the step ahead leaves out whoever ends inside the step in flight, so the host is not asked
+    for a step every time one ends; outputs equal the step-by-step run's."""
+    def run(pipelined):
+        cfg, bm, sched = make({"decode_steps": 4, "max_num_seqs": 6}, num_blocks=64)
+        runner = FakeRunner(bm, token_fn=_eos_at(set()))  # tokens by request id: the runs compare
+        seqs = [seq(range(10 * i, 10 * i + 6), chr(97 + i), max_tokens=20 + i) for i in range(6)]
+        for s in seqs:
+            sched.add(s)
+        step(sched, runner)  # all prefilled in one step
+        ahead = _drain_ahead(sched, runner) if pipelined else (drain(sched, runner), 0)[1]
+        return [s.output_token_ids for s in seqs], ahead
+
+    want, _ = run(False)
+    got, ahead = run(True)
+    assert got == want and [len(o) for o in got] == [20 + i for i in range(6)]
+    # the longest wants 24 after its first: 6 steps of 4, all but the first ahead (4 when one ending cut the step short)
+    assert ahead == 5, ahead
 
 
 def test_eos_in_the_middle_of_k_tokens_drops_the_rest():

@@ -138,10 +138,29 @@ class Scheduler:
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens seq may still generate."""
-        left = self.cfg.max_model_len - seq.num_tokens
+        left = self._room(seq)
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - len(seq.output_token_ids))
         return max(1, left)
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens seq may still generate before it reaches max_model_len (a hard bound on positions:
+        the block tables have no entries past it)."""
+        return max(1, self.cfg.max_model_len - seq.num_tokens)
+
+    def _multi_step(self, seqs, K: int, done: int = 0) -> int:
+        """Steps for a multi-step decode of seqs after `done` steps already in flight: at most K, no
+        position past any sequence's max_model_len, and no more than the longest still wants. A
+        sequence that reaches its max_tokens earlier does not shorten the step for the others: the
+        device computes (and the host drops) its last few tokens, whose K/V land past the slots it
+        was given (its own last block's free slots, or the null block 0 the block tables are padded
+        with). Ending by length one after another (staggered requests) would otherwise cut every
+        multi-step short and make each next step wait for the host."""
+        return min(K, max(self._remaining(s) for s in seqs) - done, min(self._room(s) for s in seqs) - done)
+
+    def _slots_for(self, seq: Sequence, steps: int) -> int:
+        """Positions seq needs slots for in `steps` decode steps: none past its last token."""
+        return min(steps, self._remaining(seq))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -224,40 +243,44 @@ class Scheduler:
         for s in out.scheduled:
             if s.num_new != 1 or not s.samples or s.reset_row:
                 return 1
-            K = min(K, self._remaining(s.seq))
+        K = self._multi_step([s.seq for s in out.scheduled], K)
         if K <= 1:
             return 1
-        # lookahead slots for all K positions of every sequence, or no multi-step at all
-        need = sum(self.bm.blocks_needed(s.seq, K) for s in out.scheduled)
+        # lookahead slots for every position a sequence keeps, or no multi-step at all
+        need = sum(self.bm.blocks_needed(s.seq, self._slots_for(s.seq, K)) for s in out.scheduled)
         if need > self.bm.num_free_blocks:
             return 1
         for s in out.scheduled:
-            self.bm.append_slots(s.seq, K)
+            self.bm.append_slots(s.seq, self._slots_for(s.seq, K))
         return K
 
     def schedule_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """The decode step after `prev` — a multi-step decode dispatched but not yet read — assuming
         every sequence in it takes all of its tokens. Sequences that in fact stop inside `prev` are
         skipped when this step's results arrive (update() ignores finished sequences; what the device
-        computed for them is dropped). None when the next step needs the host: someone waits to be
-        admitted, a sequence ends by length inside `prev`, or the blocks for both steps are short."""
+        computed for them is dropped); those that end by length inside `prev` are left out of it.
+        None when the next step needs the host: someone waits to be admitted, everyone ends inside
+        `prev`, or the blocks for both steps are short."""
         K0 = prev.decode_steps
         if K0 < 2 or prev.preempted or self.waiting or self._finished_log:
             return None
         items = [s for s in prev.scheduled if s.seq.status == SeqStatus.RUNNING]
         if not items or len(items) != len(self.running):
             return None
-        K = self.cfg.decode_steps
         for s in items:
             if s.num_new != 1 or not s.samples or s.start != s.seq.num_computed_tokens:
                 return None
-            K = min(K, self._remaining(s.seq) - K0)
+        items = [s for s in items if self._remaining(s.seq) > K0]  # the rest end by length in prev
+        if not items:
+            return None
+        K = self._multi_step([s.seq for s in items], self.cfg.decode_steps, K0)
         if K < 1:
             return None
-        if sum(self.bm.blocks_needed(s.seq, K0 + K) for s in items) > self.bm.num_free_blocks:
+        need = sum(self.bm.blocks_needed(s.seq, self._slots_for(s.seq, K0 + K)) for s in items)
+        if need > self.bm.num_free_blocks:
             return None
         for s in items:
-            self.bm.append_slots(s.seq, K0 + K)
+            self.bm.append_slots(s.seq, self._slots_for(s.seq, K0 + K))
         return SchedulerOutput(scheduled=[ScheduledSeq(s.seq, s.start + K0, 1, ahead=True) for s in items],
                                decode_steps=K)
 

@@ -31,9 +31,11 @@ from jaxserve.quant.qweight import QMeta, QWeight
 
 MAX_M = 4
 # Rows that take it in the engine (0: off), columns per tile, K per step (bytes of a column), target
-# programs per SM, most K splits, warps, pipeline stages, and the scaling above. Starting point: the
-# FP8 GEMV's measured best (pallas_fp8.GEMV); this kernel's own figures: bench/RESULTS.md.
-GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3, group_dot=0)
+# programs per SM, most K splits, warps, pipeline stages, and the scaling above. Off by default: on the
+# H200 it is 6-20% slower per matmul than the int8 kernel it would replace (q8_0 gate/up 42.4 vs 36.3
+# us; its best variant 39.1) and q8_0 bs1 through generate fell from 312 to 275-285 tok/s
+# (bench/RESULTS.md, session 12). Kept as the exact one-row path (x not rounded).
+GEMV = dict(max_m=0, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3, group_dot=0)
 
 
 def supports(meta: QMeta, M: int) -> bool:

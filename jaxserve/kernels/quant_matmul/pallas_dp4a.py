@@ -350,8 +350,9 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     the copy (`attach`) take this kernel (x rounded in the kernel unless kw says otherwise; split_out:
     its split-K partials may come back as a SplitSum); imma_max_m > max_m: up to that many rows of a
     4-bit weight take pallas_imma's integer tensor-core kernel over the same copy (an experiment, off
-    by default; imma_<name>=v passes its keyword arguments); everything else the platform's default
-    quantized matmul."""
+    by default; imma_<name>=v passes its keyword arguments); up to pallas_byte_gemv.GEMV['max_m'] rows
+    of a 5-8-bit weight take the exact byte GEMV instead (off by default; bgemv_<name>=v overrides its
+    settings); everything else the platform's default quantized matmul."""
     from jaxserve.kernels import quant_matmul
 
     M = math.prod(x.shape[:-1])
