@@ -6,7 +6,7 @@
 #                                               per-sm-ab tests-attn attn-probe timeline split-sums-ab
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
 #                                               fp8-profile timeline-nographs fp8-warps
-#                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k
+#                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -118,6 +118,11 @@ for part in "$@"; do
                 --variant group_dot=1 --variant num_warps=8 2>&1 | grep "^|" | grep -v "format\|---" ;;
     bgemv-ab) tp 250 --workloads 1x128x512 --quant q8_0 --int8-activations --byte-gemv on,off,on,off | tail -6 ;;
     bgemv-q4k) tp 150 --workloads 1x128x512 --quant q4k --int8-activations --byte-gemv on,off | tail -4 ;;
+    # 32 sequences after the scheduler change of session 12 (a sequence ending by length no longer cuts
+    # the multi-step decode short or stops the step ahead): bf16, int4, FP8 (before: 5,255-5,275 / 4,642 / 4,924)
+    seq32) tp 120 --workloads 32x1024x128 | tail -2
+           tp 150 --workloads 32x1024x128 --quant int4 --int8-activations | tail -2
+           tp 150 --workloads 32x1024x128 --quant fp8 | tail -2 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done
