@@ -7,6 +7,7 @@
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
+#                                               tp2 tp2-70b (multi-GPU kinds only)
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -123,6 +124,12 @@ for part in "$@"; do
     seq32) tp 120 --workloads 32x1024x128 | tail -2
            tp 150 --workloads 32x1024x128 --quant int4 --int8-activations | tail -2
            tp 150 --workloads 32x1024x128 --quant fp8 | tail -2 ;;
+    # Issue 7 (needs nvidia-h200-x2 or larger; never lent so far): tp=1 vs tp=2 on the 8B shape (greedy
+    # tokens compared on 4 fixed prompts, bs1 and 32 sequences at each tp), then the 70B shape at tp=2.
+    # On x4/x8 add 4 (and 8) to the lists.
+    tp2) tp 500 --workloads 1x128x256,32x1024x128 --tp 1,2 --runs 3 | tail -6 ;;
+    tp2-70b) timeout 500 python3 bench/throughput.py --random-weights --config llama-3.1-70b --tp 2 --runs 3 \
+               --workloads 1x128x128,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -5 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done

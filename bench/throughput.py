@@ -92,6 +92,10 @@ def main(argv=None):
                     help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
                          "value, one-row matmuls of byte-coded weights (q8_0, q6k, ...) on the byte GEMV "
                          "(pallas_byte_gemv, on: the default) or the int8 kernel (off)")
+    ap.add_argument("--tp", default="1",
+                    help="comma list of tensor-parallel sizes (1,2): the model is built on a tp-device mesh "
+                         "for each (dense weights only), every workload runs at each, and each tp's greedy "
+                         "tokens on 4 fixed prompts are compared with the first tp's")
     ap.add_argument("--timeline", action="store_true",
                     help="after each workload's runs, one more under jax.profiler: per program, device "
                          "time and the idle gap before it (GPU)")
@@ -109,22 +113,32 @@ def main(argv=None):
     dev = jax.devices()[0]
     print(f"# jax {jax.__version__} on {dev.device_kind}; {args.config} random {args.dtype}; chunk "
           f"{args.chunk}; K={','.join(map(str, ks))}; median of {args.runs}", flush=True)
-    t = time.perf_counter()
-    if args.quant == "none":
-        lm = random_model(args.config, dtype=args.dtype)
-    else:  # the same shape with packed matmul weights (bench/random_model.py), never dense first
-        from bench.random_model import random_packed_layers
-        from jaxserve.engine.llm_engine import RANDOM_PREFIX, LoadedModel
-        from jaxserve.loader.tokenizer import Tokenizer
-        from jaxserve.models.presets import model_config
+    tps = [int(x) for x in args.tp.split(",")]
+    if args.quant != "none" and tps != [1]:
+        raise SystemExit("--tp: packed (--quant) weights run on one device; use --tp 1")
+    if max(tps) > len(jax.devices()):
+        raise SystemExit(f"--tp {max(tps)}: only {len(jax.devices())} devices")
 
-        cfg = model_config(args.config)
-        lm = LoadedModel(cfg=cfg, tokenizer=Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids),
-                         weights=random_packed_layers(cfg, args.quant, args.dtype,
-                                                      head_fmt="q6k" if args.quant == "q4k" else None),
-                         name=RANDOM_PREFIX + args.config, mesh=None, rules=None)
-    jax.block_until_ready(lm.weights)
-    print(f"# weights built in {time.perf_counter() - t:.1f}s", flush=True)
+    def build(tp):
+        t = time.perf_counter()
+        if args.quant == "none":
+            lm = random_model(args.config, dtype=args.dtype, tp=tp)
+        else:  # the same shape with packed matmul weights (bench/random_model.py), never dense first
+            from bench.random_model import random_packed_layers
+            from jaxserve.engine.llm_engine import RANDOM_PREFIX, LoadedModel
+            from jaxserve.loader.tokenizer import Tokenizer
+            from jaxserve.models.presets import model_config
+
+            cfg = model_config(args.config)
+            lm = LoadedModel(cfg=cfg, tokenizer=Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids),
+                             weights=random_packed_layers(cfg, args.quant, args.dtype,
+                                                          head_fmt="q6k" if args.quant == "q4k" else None),
+                             name=RANDOM_PREFIX + args.config, mesh=None, rules=None)
+        jax.block_until_ready(lm.weights)
+        print(f"# weights built in {time.perf_counter() - t:.1f}s (tp={tp})", flush=True)
+        return lm
+
+    lm = build(tps[0])
     max_n = max(n for n, _, _ in wls)
     max_len = max(i + o for _, i, o in wls) + 16
     seq_buckets = tuple(sorted({1, *(n for n, _, _ in wls)}))
@@ -152,10 +166,15 @@ def main(argv=None):
         engs = [(p, ss, None) for p, _, _ in engs for ss in args.dp4a_split_sums.split(",")]
     if args.byte_gemv:
         engs = [(p, ss, bgv) for p, ss, _ in engs for bgv in args.byte_gemv.split(",")]
+    engs = [(tp, *e) for tp in tps for e in engs]
     eng = tag = None
     bg_default = None
-    for (ps, ss, bgv), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes for w in wls]:
-        if eng is None or tag != (ps, ss, bgv):
+    cl = max(1, min(64, max_len - 17))  # the check's prompt length: 16 tokens must fit after it
+    check_prompts = [[int(x) for x in np.random.default_rng(1234 + j).integers(256, lm.cfg.vocab_size, cl)]
+                     for j in range(4)]
+    check_tokens = {}  # tp -> greedy tokens of check_prompts
+    for (tpv, ps, ss, bgv), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes for w in wls]:
+        if eng is None or tag != (tpv, ps, ss, bgv):
             from jaxserve.kernels.quant_matmul import pallas_byte_gemv, pallas_dp4a
 
             if ps is not None:
@@ -165,12 +184,20 @@ def main(argv=None):
             if bgv is not None:
                 bg_default = pallas_byte_gemv.GEMV["max_m"] if bg_default is None else bg_default
                 pallas_byte_gemv.GEMV["max_m"] = (bg_default or 1) if bgv == "on" else 0
-            tag = (ps, ss, bgv)
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
+            if tag is not None and tag[0] != tpv:
+                lm = None  # the previous tp's weights go first
+                lm = build(tpv)
+            tag = (tpv, ps, ss, bgv)
             # The program store's key includes these module settings (program_store.kernel_settings):
             # a variant never loads a program traced under another one.
             eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
             llm = LLM.from_engine(eng)
+            if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
+                sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+                check_tokens[tpv] = [r.outputs[0].token_ids for r in llm.generate(check_prompts, sp, use_tqdm=False)]
+                same = sum(a == b for a, b in zip(check_tokens[tpv], check_tokens[tps[0]]))
+                print(f"# tp={tpv}: greedy tokens (4 prompts x 16) equal tp={tps[0]}'s: {same}/4", flush=True)
         eng.ecfg = eng.ecfg.replace(async_scheduling=mode)  # read by LLMEngine.step only
         eng.scheduler.cfg = eng.scheduler.cfg.replace(decode_steps=k)  # the scheduler picks K per step
         params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
@@ -195,7 +222,9 @@ def main(argv=None):
         dec = statistics.median(x[1] for x in runs)
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
                    + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else "")
-                   + (f" byte_gemv={bgv}" if bgv else ""),
+                   + (f" byte_gemv={bgv}" if bgv else "") + (f" tp={tpv}" if len(tps) > 1 else ""),
+                   tp=tpv, tp_tokens_equal=(sum(a == b for a, b in zip(check_tokens[tpv], check_tokens[tps[0]]))
+                                            if check_tokens else None),
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
