@@ -7,7 +7,7 @@
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
-#                                               tp2 tp2-70b (multi-GPU kinds only)
+#                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -130,6 +130,11 @@ for part in "$@"; do
     tp2) tp 500 --workloads 1x128x256,32x1024x128 --tp 1,2 --runs 3 | tail -6 ;;
     tp2-70b) timeout 500 python3 bench/throughput.py --random-weights --config llama-3.1-70b --tp 2 --runs 3 \
                --workloads 1x128x128,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -5 ;;
+    # XLA's exhaustive GEMM tiling search for the bf16 decode GEMVs (qkv/o move 3.3-3.4 TB/s against
+    # gate/up's 4.3; session 12): the serial runner at bs1, without and with the flag
+    xla-exh) D="python3 bench/decode.py $A --attention pallas_triton --runs 3 --contexts 0,4096"
+             timeout 120 $D 2>&1 | tail -3
+             XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exhaustive_tiling_search=true" timeout 420 $D 2>&1 | grep -v "^#" | tail -4 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done
