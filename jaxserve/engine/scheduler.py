@@ -6,7 +6,8 @@ Host side only (no JAX). One `schedule()` builds a step under a token budget:
   2. running sequences still in (chunked) prefill get chunks of what budget is left;
   3. waiting sequences are admitted first come, first served while budget, rows and blocks allow.
 When the step is nothing but plain decodes and nobody could be admitted, the runner is asked for
-`decode_steps` tokens per sequence in one dispatch. `update()` applies the results.
+`decode_steps` tokens per sequence in one dispatch (a sequence reaching max_tokens sooner does not
+shorten it: its extra tokens go to slots nobody reads and are dropped). `update()` applies the results.
 """
 
 from __future__ import annotations
