@@ -57,18 +57,33 @@ def test_batched_equals_alone(llm):
 
 def test_staggered_max_tokens_in_one_batch(llm):
     """Sequences reaching max_tokens one after another inside 4-step decodes (the others' steps are
-    not cut short: the ended ones' last tokens are computed into the null block or their own last
-    block's free slots, then dropped): each output is the prefix of the sequence's longest greedy
-    run, alone; run twice, so the second batch reads the first's cached prefix blocks."""
-    lens = [5, 7, 10, 13, 18, 26]
-    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(len(lens))]
-    alone = [llm.generate(p, _greedy(26))[0].outputs[0].token_ids for p in prompts]
+    not cut short: the ended ones' last tokens are computed into their own last block's free slots or,
+    past their block tables, into the null block 0, then dropped; with these lengths both happen):
+    each output is the prefix of the sequence's longest greedy run alone; run twice, the second batch
+    over the first's cached prompt blocks."""
+    lens = [9, 27, 10, 17, 15, 22]
+    tail = " Please answer in detail, with examples, and keep going for a while."
+    prompts = [p + tail for p in PROMPTS]
+    alone = [llm.generate(p, _greedy(27))[0].outputs[0].token_ids for p in prompts]
     eng = llm.engine
-    for _ in range(2):
-        n0 = eng.num_ahead_steps
-        outs = llm.generate(prompts, [_greedy(n) for n in lens])
-        assert [o.outputs[0].token_ids for o in outs] == [a[:n] for a, n in zip(alone, lens)]
-        assert eng.num_ahead_steps - n0 >= 3
+    prepare, past = eng.runner.prepare, []
+
+    def counting(sched):  # decode positions of a dispatch that have no slot (their K/V go to block 0)
+        for s in sched.scheduled if sched.decode_steps > 1 else []:
+            past.append(max(0, s.start + sched.decode_steps - len(s.seq.block_table) * eng.ecfg.block_size))
+        return prepare(sched)
+
+    eng.runner.prepare = counting
+    try:
+        for run in range(2):
+            n0, hits0 = eng.num_ahead_steps, eng.stats()["prefix_cache_hit_tokens"]
+            outs = llm.generate(prompts, [_greedy(n) for n in lens])
+            assert [o.outputs[0].token_ids for o in outs] == [a[:n] for a, n in zip(alone, lens)]
+            assert eng.num_ahead_steps - n0 >= 3
+            assert run == 0 or eng.stats()["prefix_cache_hit_tokens"] - hits0 >= 16 * len(prompts)
+    finally:
+        eng.runner.prepare = prepare
+    assert sum(past) > 0
 
 
 def test_greedy_matches_transformers_with_chunked_prefill(llm):

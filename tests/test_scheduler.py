@@ -40,10 +40,10 @@ class FakeRunner:
         assert pos < len(seq.block_table) * self.bs, f"seq {seq.seq_id}: no slot for position {pos}"
         return seq.block_table[pos // self.bs], pos % self.bs
 
-    def _write(self, seq, pos, tok):
-        if pos >= len(seq.block_table) * self.bs:
-            # as the real runner: block tables are padded with the null block 0 (a sequence past its
-            # max_tokens inside a multi-step decode); a later read of this position fails _check_prefix
+    def _write(self, seq, pos, tok, dropped=False):
+        if dropped and pos >= len(seq.block_table) * self.bs:
+            # as the real runner: block tables are padded with the null block 0, where the K/V of a
+            # sequence's tokens past its max_tokens (never kept) may land inside a multi-step decode
             self.kv[0][pos % self.bs] = tok
             return
         b, o = self._slot(seq, pos)
@@ -76,8 +76,11 @@ class FakeRunner:
                 continue
             n = seq.num_tokens
             toks = [self.token_fn(seq, n + j) for j in range(K)]
+            # tokens the host keeps at most (max_tokens); the K/V of the last kept one and later is
+            # never read, so only those writes may lack a slot
+            keep = K if seq.params.max_tokens is None else seq.params.max_tokens - len(seq.output_token_ids)
             for j in range(1, K):  # steps 2..K process the token sampled before them
-                self._write(seq, n - 1 + j, toks[j - 1])
+                self._write(seq, n - 1 + j, toks[j - 1], dropped=j >= keep)
             tokens.append(toks)
             logprobs.append([(-1.0, [(t, -1.0)]) for t in toks] if seq.params.logprobs is not None else None)
         return StepResult(tokens, logprobs, plps)
@@ -397,6 +400,25 @@ def test_multi_step_not_cut_short_by_one_sequence_ending():
     drain(sched, runner)
     assert b.output_token_ids == expected_outputs(b, 30)
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_multi_step_ends_with_the_first_ending_while_someone_waits():
+    """All rows taken and a request waiting: the multi-step ends when the first sequence ends by
+    length, so the waiting request gets its row then, not up to K-1 steps later."""
+    cfg, bm, sched = make({"decode_steps": 4, "max_num_seqs": 2})
+    runner = FakeRunner(bm)
+    a, b = seq(range(6), "a", max_tokens=2), seq(range(20, 26), "b", max_tokens=30)
+    sched.add(a)
+    sched.add(b)
+    step(sched, runner)  # both prefilled
+    c = seq(range(40, 46), "c", max_tokens=5)
+    sched.add(c)
+    out, _ = step(sched, runner)
+    assert out.decode_steps == 1 and a.is_finished  # a's one remaining token: c is admitted next
+    out, _ = step(sched, runner)
+    assert c.num_computed_tokens > 0 and any(ss.seq is c for ss in out.scheduled)
+    drain(sched, runner)
+    assert c.output_token_ids == expected_outputs(c, 5) and b.output_token_ids == expected_outputs(b, 30)
 
 
 def test_staggered_lengths_keep_steps_ahead():

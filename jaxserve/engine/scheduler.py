@@ -156,8 +156,10 @@ class Scheduler:
         device computes (and the host drops) its last few tokens, whose K/V land past the slots it
         was given (its own last block's free slots, or the null block 0 the block tables are padded
         with). Ending by length one after another (staggered requests) would otherwise cut every
-        multi-step short and make each next step wait for the host."""
-        return min(K, max(self._remaining(s) for s in seqs) - done, min(self._room(s) for s in seqs) - done)
+        multi-step short and make each next step wait for the host. Exception: while a request waits
+        for a row, the step ends with the first sequence to end by length, so the row frees then."""
+        want = (min if self.waiting else max)(self._remaining(s) for s in seqs)
+        return min(K, want - done, min(self._room(s) for s in seqs) - done)
 
     def _slots_for(self, seq: Sequence, steps: int) -> int:
         """Positions seq needs slots for in `steps` decode steps: none past its last token."""
