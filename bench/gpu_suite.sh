@@ -7,7 +7,7 @@
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
-#                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh
+#                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -135,6 +135,10 @@ for part in "$@"; do
     xla-exh) D="python3 bench/decode.py $A --attention pallas_triton --runs 3 --contexts 0,4096"
              timeout 120 $D 2>&1 | tail -3
              XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exhaustive_tiling_search=true" timeout 420 $D 2>&1 | grep -v "^#" | tail -4 ;;
+    # The server under load (issue 3's client, session 12): `jaxserve run --model random:llama-3.1-8b`
+    # started by the script, streaming /v1/completions, 128 in / 64 out, sampling at temperature 1
+    serve) timeout 420 python3 bench/serve.py --random-weights --config llama-3.1-8b --concurrency 1,32,256 \
+             --server-args "--max-num-seqs 256" --json "$OUT/serve.json" 2>&1 | grep -v "^  " | tail -6 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done
