@@ -7,7 +7,7 @@
 #                                               fp8-mm fp8-e2e fp8-bk int4-ab per-sm-q
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
-#                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve
+#                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -139,6 +139,13 @@ for part in "$@"; do
     # started by the script, streaming /v1/completions, 128 in / 64 out, sampling at temperature 1
     serve) timeout 420 python3 bench/serve.py --random-weights --config llama-3.1-8b --concurrency 1,32,256 \
              --server-args "--max-num-seqs 256" --json "$OUT/serve.json" 2>&1 | grep -v "^  " | tail -6 ;;
+    # One stream through the server: sampling (temperature 1) against greedy, one server (session 12:
+    # TPOT 4.5 ms at 1 stream vs ~4.2 ms a token through LLM.generate)
+    serve-1) (jaxserve run --model random:llama-3.1-8b --port 2011 > "$OUT/serve1.log" 2>&1 &)
+             for i in $(seq 1 150); do curl -sf localhost:2011/health > /dev/null && break; sleep 1; done
+             for t in 1 0 1 0; do timeout 120 python3 bench/serve.py --url http://127.0.0.1:2011 --concurrency 1 \
+               --num-requests 8 --output-len 256 --temperature $t 2>&1 | grep "^N=" | sed "s/^/temp $t: /"; done
+             pkill -f "jaxserve run --model random:llama-3.1-8b --port 2011" ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done
