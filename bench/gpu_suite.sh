@@ -141,11 +141,11 @@ for part in "$@"; do
              --server-args "--max-num-seqs 256" --json "$OUT/serve.json" 2>&1 | grep -v "^  " | tail -6 ;;
     # One stream through the server: sampling (temperature 1) against greedy, one server (session 12:
     # TPOT 4.5 ms at 1 stream vs ~4.2 ms a token through LLM.generate)
-    serve-1) (jaxserve run --model random:llama-3.1-8b --port 2011 > "$OUT/serve1.log" 2>&1 &)
+    serve-1) (python3 -m jaxserve.cli run --model random:llama-3.1-8b --port 2011 > "$OUT/serve1.log" 2>&1 &)
              for i in $(seq 1 150); do curl -sf localhost:2011/health > /dev/null && break; sleep 1; done
              for t in 1 0 1 0; do timeout 120 python3 bench/serve.py --url http://127.0.0.1:2011 --concurrency 1 \
                --num-requests 8 --output-len 256 --temperature $t 2>&1 | grep "^N=" | sed "s/^/temp $t: /"; done
-             pkill -f "jaxserve run --model random:llama-3.1-8b --port 2011" ;;
+             pkill -f "jaxserve.cli run --model random:llama-3.1-8b --port 2011" ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done
