@@ -91,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--byte-gemv", default=None,
                     help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
                          "value, one-row matmuls of byte-coded weights (q8_0, q6k, ...) on the byte GEMV "
-                         "(pallas_byte_gemv, on: the default) or the int8 kernel (off)")
+                         "(pallas_byte_gemv; off by default) or the int8 kernel (off)")
     ap.add_argument("--tp", default="1",
                     help="comma list of tensor-parallel sizes (1,2): the model is built on a tp-device mesh "
                          "for each (dense weights only), every workload runs at each, and each tp's greedy "
@@ -168,11 +168,10 @@ def main(argv=None):
         engs = [(p, ss, bgv) for p, ss, _ in engs for bgv in args.byte_gemv.split(",")]
     engs = [(tp, *e) for tp in tps for e in engs]
     eng = tag = None
-    bg_default = None
     cl = max(1, min(64, max_len - 17))  # the check's prompt length: 16 tokens must fit after it
     check_prompts = [[int(x) for x in np.random.default_rng(1234 + j).integers(256, lm.cfg.vocab_size, cl)]
                      for j in range(4)]
-    check_tokens = {}  # tp -> greedy tokens of check_prompts
+    check_tokens, tp_same = {}, {}  # tp -> greedy tokens of check_prompts; prompts equal to the first tp's
     for (tpv, ps, ss, bgv), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes for w in wls]:
         if eng is None or tag != (tpv, ps, ss, bgv):
             from jaxserve.kernels.quant_matmul import pallas_byte_gemv, pallas_dp4a
@@ -182,8 +181,7 @@ def main(argv=None):
             if ss is not None:
                 pallas_dp4a.engine_qmatmul.takes_split_out = ss == "on"
             if bgv is not None:
-                bg_default = pallas_byte_gemv.GEMV["max_m"] if bg_default is None else bg_default
-                pallas_byte_gemv.GEMV["max_m"] = (bg_default or 1) if bgv == "on" else 0
+                pallas_byte_gemv.GEMV["max_m"] = 1 if bgv == "on" else 0
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
             if tag is not None and tag[0] != tpv:
                 lm = None  # the previous tp's weights go first
@@ -196,8 +194,8 @@ def main(argv=None):
             if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
                 sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
                 check_tokens[tpv] = [r.outputs[0].token_ids for r in llm.generate(check_prompts, sp, use_tqdm=False)]
-                same = sum(a == b for a, b in zip(check_tokens[tpv], check_tokens[tps[0]]))
-                print(f"# tp={tpv}: greedy tokens (4 prompts x 16) equal tp={tps[0]}'s: {same}/4", flush=True)
+                tp_same[tpv] = sum(a == b for a, b in zip(check_tokens[tpv], check_tokens[tps[0]]))
+                print(f"# tp={tpv}: greedy tokens (4 prompts x 16) equal tp={tps[0]}'s: {tp_same[tpv]}/4", flush=True)
         eng.ecfg = eng.ecfg.replace(async_scheduling=mode)  # read by LLMEngine.step only
         eng.scheduler.cfg = eng.scheduler.cfg.replace(decode_steps=k)  # the scheduler picks K per step
         params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
@@ -223,8 +221,7 @@ def main(argv=None):
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
                    + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else "")
                    + (f" byte_gemv={bgv}" if bgv else "") + (f" tp={tpv}" if len(tps) > 1 else ""),
-                   tp=tpv, tp_tokens_equal=(sum(a == b for a, b in zip(check_tokens[tpv], check_tokens[tps[0]]))
-                                            if check_tokens else None),
+                   tp=tpv, tp_tokens_equal=tp_same.get(tpv),
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,

@@ -2,9 +2,10 @@
 over the int8 kernel's byte code copy (pallas_dp4a 'byte' layout: per column, K-major, 4 codes per
 int32 word), with x exact.
 
-Why: the int8 kernel (pallas_dp4a) moves q8_0 at 1.7-1.9 TB/s per matmul on the H200 (RESULTS.md,
-session 8), while the FP8 GEMV built the same way as this one — a [bn, bk] f32 accumulator fed by
-multiply-adds, one reduction at the end — moves 2.5-3.3 TB/s (session 11). Here every code becomes an
+Built the way the FP8 GEMV is (a [bn, S, words] f32 accumulator fed by multiply-adds, one reduction
+at the end), expecting it to beat the int8 kernel (pallas_dp4a) on q8_0; on the H200 it is 2-20% slower
+per matmul (the int8 kernel moves 2.4-3.9 TB/s there), so it is off by default (GEMV['max_m'] = 0;
+bench/RESULTS.md, session 12) and stays as the exact one-row path. Every code becomes an
 exact f32 without an int -> float conversion: byte c of a word w is `((w >> 8c) & 0xFF) | bits(2**23)`
 as f32 = 2**23 + code, minus (2**23 + zero point) exactly (one shift, one LOP3, one FADD). Then
 either every weight is scaled (`group_dot=0`: w = code * s + o, acc += w * x), or each sub-group's dot
@@ -31,10 +32,8 @@ from jaxserve.quant.qweight import QMeta, QWeight
 
 MAX_M = 4
 # Rows that take it in the engine (0: off), columns per tile, K per step (bytes of a column), target
-# programs per SM, most K splits, warps, pipeline stages, and the scaling above. Off by default: on the
-# H200 it is 6-20% slower per matmul than the int8 kernel it would replace (q8_0 gate/up 42.4 vs 36.3
-# us; its best variant 39.1) and q8_0 bs1 through generate fell from 312 to 275-285 tok/s
-# (bench/RESULTS.md, session 12). Kept as the exact one-row path (x not rounded).
+# programs per SM, most K splits, warps, pipeline stages, and the scaling above. Off: q8_0 gate/up 42.4
+# vs the int8 kernel's 36.3 us (its best variant 39.1), q8_0 bs1 through generate 275-285 vs 312 tok/s.
 GEMV = dict(max_m=0, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3, group_dot=0)
 
 

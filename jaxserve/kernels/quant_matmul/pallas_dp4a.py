@@ -367,7 +367,7 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
 
         bg_max = bg_kw.pop("max_m", bg.GEMV["max_m"])
         if M <= bg_max and bg.supports(qw.meta, M) and qw.meta.N % bg_kw.get("block_n", bg.GEMV["block_n"]) == 0:
-            return bg.gemv(x, qw, qk, split_out=split_out and BYTE_GEMV_SPLIT_SUMS, **bg_kw)
+            return bg.gemv(x, qw, qk, split_out=split_out, **bg_kw)
     if qk is not None and M <= max_m and supports(qw.meta, M) and qw.meta.N % bn == 0:
         return qmatmul(x, qw, qk, split_out=split_out, **kw)
     if qk is not None and max_m < M <= imma_max_m:
@@ -379,6 +379,4 @@ def engine_qmatmul(x, qw: QWeight, *, max_m: int = ENGINE_MAX_M, split_out: bool
     return quant_matmul.apply(x, qw, None, split_out)
 
 
-# Whether the byte GEMV (pallas_byte_gemv) hands its split-K partials to the consumer kernels too.
-BYTE_GEMV_SPLIT_SUMS = True
 engine_qmatmul.takes_split_out = True  # transformer.linear may ask it for a SplitSum
