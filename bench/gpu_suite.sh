@@ -8,6 +8,7 @@
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
+#                                               pdl pdl-ab pdl-int4 l2
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -146,6 +147,25 @@ for part in "$@"; do
              for t in 1 0 1 0; do timeout 120 python3 bench/serve.py --url http://127.0.0.1:2011 --concurrency 1 \
                --num-requests 8 --output-len 256 --temperature $t 2>&1 | grep "^N=" | sed "s/^/temp $t: /"; done
              pkill -f "jaxserve.cli run --model random:llama-3.1-8b --port 2011" ;;
+    # Session 13: is programmatic dependent launch (XLA's --xla_gpu_enable_pdl) on in jax 0.11.2, can
+    # Pallas calls take it, and what does it change at bs1; then: is a GEMV faster from a warm L2?
+    pdl) J=$(python3 -c "import jax, os; print(os.path.dirname(jax.__file__))")
+         echo "jax files naming pdl: $(grep -rlE "uses_pdl|enable_pdl|griddepcontrol" "$J" --include=*.py | sed "s|$J/||" | tr '\n' ' ')"
+         grep -rnE "uses_pdl|use_pdl" "$J" --include=*.py | head -8
+         for v in "" "--xla_gpu_enable_pdl=true" "--xla_gpu_enable_pdl=false"; do d=$(mktemp -d)
+           XLA_FLAGS="$v --xla_dump_to=$d" python3 -c "
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x, w: (jax.nn.silu(x @ w) * 2.0) @ w.T)
+x = jnp.ones((1, 4096), jnp.bfloat16); w = jnp.ones((4096, 4096), jnp.bfloat16)
+f(x, w).block_until_ready()" 2>&1 | tail -2
+           echo "flag '$v': $(cat $d/*.ptx 2>/dev/null | grep -c griddepcontrol) griddepcontrol lines in $(ls $d/*.ptx 2>/dev/null | wc -l) ptx files"
+         done ;;
+    pdl-ab) for v in true false true false; do echo "pdl $v:"; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$v" \
+              timeout 110 python3 bench/decode.py $A --attention pallas_triton --contexts 0,4096 --runs 3 2>&1 | tail -2; done ;;
+    pdl-int4) for v in true false; do echo "pdl $v:"; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$v" \
+              timeout 110 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant int4 \
+              --int8-activations 2>&1 | tail -1; done ;;
+    l2) timeout 120 python3 bench/l2_probe.py 2>&1 | tail -26 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac
 done
