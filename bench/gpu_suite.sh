@@ -8,7 +8,7 @@
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
-#                                               pdl pdl-ab pdl-int4 l2
+#                                               pdl pdl-ab pdl-int4 l2 pdl-gen
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -165,6 +165,11 @@ f(x, w).block_until_ready()" 2>&1 | tail -2
     pdl-int4) for v in true false; do echo "pdl $v:"; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$v" \
               timeout 110 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant int4 \
               --int8-activations 2>&1 | tail -1; done ;;
+    pdl-gen) for v in true false true false; do export XLA_FLAGS="--xla_gpu_enable_pdl=$v"; echo "pdl $v:"
+               tp 150 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest | grep -E "digest|: prefill"
+             done
+             for v in true false; do export XLA_FLAGS="--xla_gpu_enable_pdl=$v"; echo "pdl $v:"
+               tp 150 --workloads 1x4096x256 --runs 3 --tokens-digest | grep -E "digest|: prefill"; done; unset XLA_FLAGS ;;
     l2) timeout 120 python3 bench/l2_probe.py 2>&1 | tail -26 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac

@@ -16,6 +16,7 @@ Imports jax, numpy, jaxserve and `tokenizers` only (the engine's detokeniser nee
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import sys
@@ -92,6 +93,9 @@ def main(argv=None):
                     help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
                          "value, one-row matmuls of byte-coded weights (q8_0, q6k, ...) on the byte GEMV "
                          "(pallas_byte_gemv; off by default) or the int8 kernel (off)")
+    ap.add_argument("--tokens-digest", action="store_true",
+                    help="print a digest of each engine's greedy tokens on 4 fixed prompts (x 16 tokens), to "
+                         "compare runs of other processes (e.g. other XLA_FLAGS) on the same seeded weights")
     ap.add_argument("--tp", default="1",
                     help="comma list of tensor-parallel sizes (1,2): the model is built on a tp-device mesh "
                          "for each (dense weights only), every workload runs at each, and each tp's greedy "
@@ -191,11 +195,17 @@ def main(argv=None):
             # a variant never loads a program traced under another one.
             eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
             llm = LLM.from_engine(eng)
-            if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
+            if (len(tps) > 1 and tpv not in check_tokens) or args.tokens_digest:
                 sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-                check_tokens[tpv] = [r.outputs[0].token_ids for r in llm.generate(check_prompts, sp, use_tqdm=False)]
-                tp_same[tpv] = sum(a == b for a, b in zip(check_tokens[tpv], check_tokens[tps[0]]))
-                print(f"# tp={tpv}: greedy tokens (4 prompts x 16) equal tp={tps[0]}'s: {tp_same[tpv]}/4", flush=True)
+                toks = [r.outputs[0].token_ids for r in llm.generate(check_prompts, sp, use_tqdm=False)]
+                if args.tokens_digest:
+                    digest = hashlib.sha256(repr(toks).encode()).hexdigest()[:16]
+                    print(f"# greedy tokens (4 prompts x 16) digest: {digest}", flush=True)
+                if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
+                    check_tokens[tpv] = toks
+                    tp_same[tpv] = sum(a == b for a, b in zip(toks, check_tokens[tps[0]]))
+                    print(f"# tp={tpv}: greedy tokens (4 prompts x 16) equal tp={tps[0]}'s: {tp_same[tpv]}/4",
+                          flush=True)
         eng.ecfg = eng.ecfg.replace(async_scheduling=mode)  # read by LLMEngine.step only
         eng.scheduler.cfg = eng.scheduler.cfg.replace(decode_steps=k)  # the scheduler picks K per step
         params = SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True)
