@@ -18,3 +18,13 @@ def load(package: str, name: str, attr: str, what: str):
 def default_for(platform: str) -> str:
     """The implementation to use on a platform ('cpu', 'gpu'/'cuda', ...)."""
     return "pallas_triton" if platform in ("gpu", "cuda") else "reference"
+
+
+def tuned(what: str, defaults, given: dict, also=()) -> dict:
+    """defaults updated with given, a kernel's tuning keywords; a key that is neither a default's nor in
+    `also` is an error (a misspelt option must not be dropped silently)."""
+    unknown = set(given) - set(defaults) - set(also)
+    if unknown:
+        raise ValueError(f"{what}: unknown tuning {sorted(unknown)}; known: {sorted(defaults)}")
+    return dict(defaults, **given)
+

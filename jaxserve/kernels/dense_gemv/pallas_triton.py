@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 
 from jaxserve.kernels.dense_gemv.reference import act_f32
 from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _on_cpu
+from jaxserve.kernels.registry import tuned
 from jaxserve.kernels.split_sum import SplitSum, add_parts
 
 MAX_M = 4
@@ -115,10 +116,7 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, bn, bk, per, nsteps, act, mode):
 def gemv(x, w, *, act: str | None = None, split_out: bool = False, interpret: bool | None = None, **tuning):
     """x [..., K] (or [..., 2K] = [g | u] with act) @ w [K, N] -> [..., N] in x's dtype, or a SplitSum
     of f32 partials when split_out and K is split. tuning: TUNING's keys."""
-    unknown = set(tuning) - set(TUNING)
-    if unknown:
-        raise ValueError(f"dense_gemv: unknown tuning {sorted(unknown)}; known: {sorted(TUNING)}")
-    t = dict(TUNING, **tuning)
+    t = tuned("dense_gemv", TUNING, tuning)
     if not supports(x, w, act):
         raise ValueError(f"dense_gemv: unsupported x {x.shape} / w {getattr(w, 'shape', None)}")
     if interpret is None:

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from jaxserve.kernels.quant_matmul import pallas_dp4a as dp
 from jaxserve.kernels.quant_matmul.pallas_gemv import _MAGIC, _factors
+from jaxserve.kernels.registry import tuned
 from jaxserve.kernels.split_sum import finish_parts
 from jaxserve.quant.qweight import QMeta, QWeight
 
@@ -106,10 +107,7 @@ def gemv(x, qw: QWeight, qk, *, layer=None, splits=None, split_out=False, interp
     """x [..., K] (at most MAX_M rows) @ W for W with 5-8-bit integer codes, reading the byte code copy
     qk (`pallas_dp4a.repack`) and W's scales/offsets. tuning: GEMV's keys (max_m ignored here).
     split_out: with more than one K split, the partials come back as a SplitSum."""
-    unknown = set(tuning) - set(GEMV)
-    if unknown:
-        raise ValueError(f"byte gemv: unknown tuning {sorted(unknown)}; known: {sorted(GEMV)}")
-    t = dict(GEMV, **tuning)
+    t = tuned("byte gemv", GEMV, tuning)
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"

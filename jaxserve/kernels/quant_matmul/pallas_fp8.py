@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.kernels.registry import tuned
 from jaxserve.kernels.split_sum import finish_parts
 from jaxserve.quant.qweight import KN_CODES, QMeta, QWeight
 
@@ -167,10 +168,7 @@ def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False,
     cores: f32 products and sums of the exact codes (x is not rounded to f16). fold (default: when qw
     holds BLOCK_SCALES): the group's scale multiplies x's piece, else each weight. tuning: GEMV's keys
     (max_m ignored here)."""
-    unknown = set(tuning) - set(GEMV)
-    if unknown:
-        raise ValueError(f"fp8 gemv: unknown tuning {sorted(unknown)}; known: {sorted(GEMV)}")
-    t = dict(GEMV, **tuning)
+    t = tuned("fp8 gemv", GEMV, tuning)
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
@@ -231,9 +229,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     bad = [k for k in gemv_tuning if not k.startswith("gemv_")]
     if bad:
         raise TypeError(f"fp8 kernel: unknown keywords {bad}")
-    unknown = set(gt) - set(GEMV) - {"splits"}  # checked here too: rows past max_m never reach gemv
-    if unknown:
-        raise ValueError(f"fp8 gemv: unknown tuning {sorted(unknown)}; known: {sorted(GEMV)}")
+    tuned("fp8 gemv", GEMV, gt, also=("splits",))  # checked here too: rows past max_m never reach gemv
     nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
     if nk and M <= (GEMV["max_m"] if gemv_max_m is None else gemv_max_m):
         return gemv(x, qw, layer=layer, splits=gt.pop("splits", splits), split_out=split_out, interpret=interpret, **gt)
