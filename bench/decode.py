@@ -194,9 +194,10 @@ def main(argv=None):
                     help="the int8-activation kernel's K-split target, programs per SM (pallas_dp4a.PER_SM)")
     ap.add_argument("--norm-warps", default="",
                     help="comma list: add+RMSNorm kernel num_warps per variant (empty: the kernel's default)")
-    ap.add_argument("--norm-impl", choices=["default", "reference"], default="default",
-                    help="reference: the add+RMSNorm as plain jnp (XLA's fusions, which XLA launches with "
-                         "programmatic dependent launch) instead of the Pallas kernel; dense weights")
+    ap.add_argument("--norm-impl", choices=["default", "reference", "mosaic_gpu"], default="default",
+                    help="the add+RMSNorm: reference = plain jnp (XLA's fusions, which XLA launches with "
+                         "programmatic dependent launch), mosaic_gpu = the Mosaic GPU kernel that takes it "
+                         "(kernels/rms_norm/mosaic_gpu.py), default = the Pallas Triton kernel")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
     ap.add_argument("--hlo-dir", default=None, help="write each variant's optimized decode program here")
     ap.add_argument("--profile", type=int, default=0,
@@ -328,11 +329,11 @@ def main(argv=None):
             # read when the program is traced (runner._fn); the Pallas kernel only
             runner.add_norm = functools.partial(runner.add_norm, num_warps=nw)
             label += f" norm_warps={nw}"
-        if args.norm_impl == "reference":
+        if args.norm_impl != "default":
             from jaxserve.kernels import rms_norm
 
-            runner.add_norm = rms_norm.get("reference")  # read when the program is traced
-            label += " norm=reference"
+            runner.add_norm = rms_norm.get(args.norm_impl)  # read when the program is traced
+            label += f" norm={args.norm_impl}"
         # counted from the runner's weights: --int8-activations reads the layers through the code copies
         # it attaches (a q6k LM head: 1 byte per weight instead of 0.82)
         wbytes = tree_weight_bytes(cfg, runner.weights)

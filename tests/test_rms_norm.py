@@ -12,7 +12,7 @@ IMPLS = rms_norm.IMPLEMENTATIONS
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("T,D", [(1, 64), (5, 576), (33, 128)])
+@pytest.mark.parametrize("T,D", [(1, 64), (5, 576), (33, 128), (2, 512)])
 @pytest.mark.parametrize("with_r", [True, False])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_add_rms_norm_matches_oracle(impl, T, D, with_r, dtype):
@@ -34,7 +34,7 @@ def test_add_rms_norm_matches_oracle(impl, T, D, with_r, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("P,T,D", [(3, 1, 4096), (2, 5, 576), (9, 2, 576)])
+@pytest.mark.parametrize("P,T,D", [(3, 1, 4096), (2, 5, 576), (9, 2, 576), (2, 3, 256)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_add_rms_norm_takes_split_sums(impl, P, T, D, dtype):
     """r given as a SplitSum (a split-K matmul's f32 partials, kernels/split_sum.py): the kernel adds
@@ -55,3 +55,19 @@ def test_add_rms_norm_takes_split_sums(impl, P, T, D, dtype):
     tol = 1e-7 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(s, np.float32), np.asarray(s_want, np.float32), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_want, np.float32), rtol=tol, atol=tol)
+
+
+def test_mosaic_gpu_kernel_takes_the_decode_shapes():
+    """The Mosaic GPU kernel (an experiment) runs itself for decode rows, SplitSums of up to 8 parts
+    and D a multiple of 128; other shapes go to the Triton kernel (the tests above cover both)."""
+    from jaxserve.kernels.rms_norm import mosaic_gpu
+    from jaxserve.kernels.split_sum import SplitSum
+
+    def sds(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    assert mosaic_gpu.supports(sds(1, 4096), sds(1, 4096)) and mosaic_gpu.supports(sds(33, 128), None)
+    assert mosaic_gpu.supports(sds(1, 4096), SplitSum(sds(7, 1, 4096), jnp.bfloat16))
+    assert not mosaic_gpu.supports(sds(1, 576), None)  # D not a multiple of 128
+    assert not mosaic_gpu.supports(sds(1, 4096), SplitSum(sds(9, 1, 4096), jnp.bfloat16))
+    assert not mosaic_gpu.supports(sds(512, 4096), None)  # prompt steps
