@@ -194,10 +194,9 @@ def main(argv=None):
                     help="the int8-activation kernel's K-split target, programs per SM (pallas_dp4a.PER_SM)")
     ap.add_argument("--norm-warps", default="",
                     help="comma list: add+RMSNorm kernel num_warps per variant (empty: the kernel's default)")
-    ap.add_argument("--norm-impl", choices=["default", "reference", "mosaic_gpu"], default="default",
+    ap.add_argument("--norm-impl", choices=["default", "reference"], default="default",
                     help="the add+RMSNorm: reference = plain jnp (XLA's fusions, which XLA launches with "
-                         "programmatic dependent launch), mosaic_gpu = the Mosaic GPU kernel that takes it "
-                         "(kernels/rms_norm/mosaic_gpu.py), default = the Pallas Triton kernel")
+                         "programmatic dependent launch), default = the Pallas Triton kernel")
     ap.add_argument("--fuse", default="on", help="comma list of on/off: fused q/k/v + gate/up weights")
     ap.add_argument("--hlo-dir", default=None, help="write each variant's optimized decode program here")
     ap.add_argument("--profile", type=int, default=0,

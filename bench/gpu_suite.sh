@@ -8,7 +8,7 @@
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
-#                                               pdl pdl-ab pdl-int4 l2 pdl-gen xla-triton pdl-probe rope-norm-ab mosaic-norm
+#                                               pdl pdl-ab pdl-int4 l2 pdl-gen xla-triton pdl-probe rope-norm-ab
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -187,12 +187,6 @@ f(x, w).block_until_ready()" 2>&1 | tail -2
     rope-norm-ab) D="timeout 110 python3 bench/decode.py $A --attention pallas_triton --contexts 0,4096 --runs 3"
                   for r in on off on off; do echo "rope_kv $r:"; $D --fused-rope-kv $r 2>&1 | tail -2; done
                   for n in default reference; do echo "norm $n:"; $D --norm-impl $n 2>&1 | tail -2; done ;;
-    # Session 13: the add+RMSNorm as a Mosaic GPU kernel launched early (PDL): GPU tests, then A/B
-    mosaic-norm) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 python3 -m pytest -q -x tests/test_rms_norm.py 2>&1 | tail -3
-                 D="timeout 110 python3 bench/decode.py $A --attention pallas_triton --runs 3"
-                 for n in mosaic_gpu default; do echo "norm $n:"; $D --contexts 0,4096 --norm-impl $n 2>&1 | grep -E "^\| pallas|FAIL" | tail -2; done
-                 for n in mosaic_gpu default; do echo "norm $n:"; $D --contexts 0 --quant int4 --int8-activations \
-                   --norm-impl $n 2>&1 | grep -E "^\| pallas|FAIL" | tail -1; done ;;
     l2) timeout 120 python3 bench/l2_probe.py 2>&1 | tail -26 ;;
     *) echo "unknown part $part (see the header)"; exit 2 ;;
   esac

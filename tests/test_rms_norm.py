@@ -55,19 +55,3 @@ def test_add_rms_norm_takes_split_sums(impl, P, T, D, dtype):
     tol = 1e-7 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(s, np.float32), np.asarray(s_want, np.float32), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_want, np.float32), rtol=tol, atol=tol)
-
-
-def test_mosaic_gpu_kernel_takes_the_decode_shapes():
-    """The Mosaic GPU kernel (an experiment) runs itself for decode rows, SplitSums of up to 8 parts
-    and D a multiple of 128; other shapes go to the Triton kernel (the tests above cover both)."""
-    from jaxserve.kernels.rms_norm import mosaic_gpu
-    from jaxserve.kernels.split_sum import SplitSum
-
-    def sds(*shape):
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-    assert mosaic_gpu.supports(sds(1, 4096), sds(1, 4096)) and mosaic_gpu.supports(sds(33, 128), None)
-    assert mosaic_gpu.supports(sds(1, 4096), SplitSum(sds(7, 1, 4096), jnp.bfloat16))
-    assert not mosaic_gpu.supports(sds(1, 576), None)  # D not a multiple of 128
-    assert not mosaic_gpu.supports(sds(1, 4096), SplitSum(sds(9, 1, 4096), jnp.bfloat16))
-    assert not mosaic_gpu.supports(sds(512, 4096), None)  # prompt steps

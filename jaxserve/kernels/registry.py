@@ -9,9 +9,9 @@ import importlib
 IMPLEMENTATIONS = ("reference", "pallas_triton")
 
 
-def load(package: str, name: str, attr: str, what: str, known=IMPLEMENTATIONS):
-    if name not in known:
-        raise ValueError(f"unknown {what} implementation {name!r}; known: {known}")
+def load(package: str, name: str, attr: str, what: str):
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown {what} implementation {name!r}; known: {IMPLEMENTATIONS}")
     return getattr(importlib.import_module(f"{package}.{name}"), attr)
 
 

@@ -3,9 +3,6 @@
   reference      plain jax.numpy (XLA fuses it on CPU); the oracle
   pallas_triton  one Pallas Triton-backend kernel per call (GPU): on a decode step XLA runs the add,
                  the reduction and the scale as 2-3 separate ~2 us kernels; this is one
-  mosaic_gpu     an experiment (not a default): the same as a Mosaic GPU kernel that takes
-                 programmatic dependent launch (launched early, waits on the device); Triton's
-                 kernel for the shapes it does not take
 
 `get(name)` returns the implementation's `add_rms_norm`; kernels are imported lazily.
 """
@@ -13,10 +10,8 @@
 from __future__ import annotations
 
 from jaxserve.kernels import registry
-from jaxserve.kernels.registry import default_for  # noqa: F401
-
-IMPLEMENTATIONS = (*registry.IMPLEMENTATIONS, "mosaic_gpu")
+from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
 
 
 def get(name: str):
-    return registry.load(__name__, name, "add_rms_norm", "rms_norm", known=IMPLEMENTATIONS)
+    return registry.load(__name__, name, "add_rms_norm", "rms_norm")
