@@ -8,7 +8,7 @@
 #                                               fp8-profile timeline-nographs fp8-warps
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
-#                                               pdl pdl-ab pdl-int4 l2 pdl-gen xla-triton pdl-probe rope-norm-ab
+#                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -170,14 +170,6 @@ f(x, w).block_until_ready()" 2>&1 | tail -2
              done
              for v in true false; do export XLA_FLAGS="--xla_gpu_enable_pdl=$v"; echo "pdl $v:"
                tp 150 --workloads 1x4096x256 --runs 3 --tokens-digest | grep -E "digest|: prefill"; done; unset XLA_FLAGS ;;
-    # Session 13: Pallas Triton calls through XLA's own Triton custom call instead of jaxlib's launcher
-    xla-triton) J=$(python3 -c "import jax, os; print(os.path.dirname(jax.__file__))")
-                grep -n 'jaxlib_version <=\|gpu\$xla.gpu.triton' "$J/_src/pallas/triton/pallas_call_registration.py" | head -4
-                for v in 1 0 1 0; do export JAXSERVE_PALLAS_XLA_TRITON=$v; echo "xla triton $v:"
-                  tp 150 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest | grep -E "digest|: prefill|Error|error" | head -4; done
-                for v in 1 0; do export JAXSERVE_PALLAS_XLA_TRITON=$v; echo "xla triton $v:"
-                  tp 150 --workloads 1x4096x256 --runs 3 --tokens-digest | grep -E "digest|: prefill|Error|error" | head -4; done
-                unset JAXSERVE_PALLAS_XLA_TRITON ;;
     # Session 13: one small kernel in a dependent chain, by launch kind (Pallas Triton, Mosaic GPU with
     # and without griddepcontrol.wait, XLA), with XLA's PDL on (default) and off
     pdl-probe) timeout 150 python3 bench/pdl_probe.py 2>&1 | tail -8
