@@ -149,3 +149,43 @@ def test_dead_rank0_stops_follower(model_dir):
     assert last.startswith("jaxserve: error: ") and ("lost the coordinator" in last
                                                      or "node rank 0 stopped responding" in last), err[-3000:]
     assert took < 20, took
+
+
+class _FlakyStore:
+    """The coordinator's key-value store as the watchdog sees it; `down` = the service is gone."""
+
+    def __init__(self):
+        self.kv, self.down = {}, False
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+        self.kv[key] = value
+
+    def key_value_try_get(self, key):
+        if self.down:
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+        if key not in self.kv:
+            raise RuntimeError("NOT_FOUND: no such key")
+        return self.kv[key]
+
+
+@pytest.mark.parametrize("leaving", [False, True])
+def test_watchdog_on_a_lost_coordinator(monkeypatch, leaving):
+    """Losing the coordinator is fatal while serving; once rank 0 has told the followers to stop (its own
+    service then goes away at exit) it ends the watch quietly instead of failing a clean shutdown."""
+    from jaxserve.parallel import multihost
+
+    died = []
+    store = _FlakyStore()
+    wd = multihost.Watchdog(store, rank=0, world=2, address="127.0.0.1:1", period=0.02)
+    monkeypatch.setattr(multihost, "die", lambda msg, code=1: (died.append(msg), wd.stop()))
+    wd.start()
+    time.sleep(0.1)
+    assert store.kv.get(f"{multihost.PREFIX}/hb/0") not in (None, "0")  # it beats
+    if leaving:
+        wd.leaving()
+    store.down = True
+    wd._thread.join(timeout=5)
+    assert not wd._thread.is_alive()
+    assert died == [] if leaving else (len(died) == 1 and "lost the coordinator" in died[0])

@@ -197,6 +197,7 @@ class Watchdog:
         self.peers = [r for r in range(world) if r != rank] if rank == 0 else [0]
         self.timeout, self.period = timeout, period
         self._stop = threading.Event()
+        self._leaving = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxserve-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -204,6 +205,12 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def leaving(self) -> None:
+        """Rank 0 told the followers to stop: from now on its own coordinator service goes away when
+        jax shuts down at exit, so a lost connection ends the watch instead of failing the process
+        (a follower that stops answering still does, as before)."""
+        self._leaving.set()
 
     def _get(self, key: str) -> str | None:
         try:
@@ -233,7 +240,7 @@ class Watchdog:
                         die(f"node rank {p} {what} (no heartbeat for {self.timeout:.0f}s); "
                             f"rank {self.rank} exiting")
             except Exception as e:
-                if self._stop.is_set():
+                if self._stop.is_set() or self._leaving.is_set():
                     return
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 die(f"lost the coordinator at {self.address} (node rank 0 died or is unreachable: "
@@ -312,7 +319,10 @@ def leader_shutdown() -> None:
         return
     c._stopped = True
     # The watchdog keeps running: if a follower is already dead, jax's shutdown barrier would wait for it,
-    # and the watchdog's one-line error and exit end that wait.
+    # and the watchdog's one-line error and exit end that wait. Losing the coordinator is no longer an
+    # error: it is this process's own service, stopped by jax's shutdown at exit (that race made the
+    # server exit with status 1 after a clean stop, once in CI).
+    c.watchdog.leaving()
     try:
         c.bus.publish(("stop",))
     except Exception:
