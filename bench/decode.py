@@ -324,15 +324,15 @@ def main(argv=None):
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv],
                               qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv)
-        if nw and "num_warps" in inspect.signature(runner.add_norm or (lambda: 0)).parameters:
-            # read when the program is traced (runner._fn); the Pallas kernel only
-            runner.add_norm = functools.partial(runner.add_norm, num_warps=nw)
-            label += f" norm_warps={nw}"
         if args.norm_impl != "default":
             from jaxserve.kernels import rms_norm
 
             runner.add_norm = rms_norm.get(args.norm_impl)  # read when the program is traced
             label += f" norm={args.norm_impl}"
+        if nw and "num_warps" in inspect.signature(runner.add_norm or (lambda: 0)).parameters:
+            # read when the program is traced (runner._fn); the Pallas kernel only
+            runner.add_norm = functools.partial(runner.add_norm, num_warps=nw)
+            label += f" norm_warps={nw}"
         # counted from the runner's weights: --int8-activations reads the layers through the code copies
         # it attaches (a q6k LM head: 1 byte per weight instead of 0.82)
         wbytes = tree_weight_bytes(cfg, runner.weights)

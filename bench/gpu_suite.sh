@@ -165,11 +165,12 @@ f(x, w).block_until_ready()" 2>&1 | tail -2
     pdl-int4) for v in true false; do echo "pdl $v:"; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_pdl=$v" \
               timeout 110 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant int4 \
               --int8-activations 2>&1 | tail -1; done ;;
-    pdl-gen) for v in true false true false; do export XLA_FLAGS="--xla_gpu_enable_pdl=$v"; echo "pdl $v:"
+    pdl-gen) B="${XLA_FLAGS:-}"
+             (for v in true false true false; do export XLA_FLAGS="$B --xla_gpu_enable_pdl=$v"; echo "pdl $v:"
                tp 150 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest | grep -E "digest|: prefill"
-             done
-             for v in true false; do export XLA_FLAGS="--xla_gpu_enable_pdl=$v"; echo "pdl $v:"
-               tp 150 --workloads 1x4096x256 --runs 3 --tokens-digest | grep -E "digest|: prefill"; done; unset XLA_FLAGS ;;
+             done)
+             (for v in true false; do export XLA_FLAGS="$B --xla_gpu_enable_pdl=$v"; echo "pdl $v:"
+               tp 150 --workloads 1x4096x256 --runs 3 --tokens-digest | grep -E "digest|: prefill"; done) ;;
     # Session 13: one small kernel in a dependent chain, by launch kind (Pallas Triton, Mosaic GPU with
     # and without griddepcontrol.wait, XLA), with XLA's PDL on (default) and off
     pdl-probe) timeout 150 python3 bench/pdl_probe.py 2>&1 | tail -8

@@ -30,7 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 
 
 def kernels_per_call(fn, calls):
-    """[[(kernel name, ns), ...] per call] from the stream lines of a trace, split at program starts."""
+    """[[(kernel name, ns), ...] per call] from the stream lines of a trace: every call runs the same
+    kernels, so the sorted events split into `calls` equal runs."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn())
@@ -46,6 +47,8 @@ def kernels_per_call(fn, calls):
                     if line.name.startswith("Stream"):
                         evs += [(ev.start_ns, ev.name, ev.duration_ns) for ev in line.events]
     evs.sort()
+    if evs and len(evs) % calls:
+        raise RuntimeError(f"{len(evs)} kernel events do not split into {calls} equal calls")
     per = len(evs) // calls
     return [[(n, t) for _, n, t in evs[i * per:(i + 1) * per]] for i in range(calls)]
 
@@ -97,7 +100,7 @@ def main(argv=None):
             if gemv and gemv[-1] + 1 < len(names) and "reduce" in names[gemv[-1] + 1]:
                 last += med[gemv[-1] + 1]  # the split-K reduction belongs to the GEMV
             cells = ", ".join(f"{nm} {t:.1f}" for nm, t in zip(names, med))
-            print(f"| {pname} | {cells} | {last:.1f} | {mb / last / 1e6:.2f} |")
+            print(f"| {pname} | {cells} | {last:.1f} | {mb / last:.2f} |")  # MB / us = TB/s
     sys.stdout.flush()
 
 

@@ -16,7 +16,7 @@ shape: a while loop in CUDA graphs with jaxserve's XLA flags), per launch kind:
   mosaic+both   wait, then griddepcontrol.launch_dependents (the next kernel may launch at once)
   xla           XLA's own fusion between optimization barriers (PDL when XLA uses it)
 
-Prints us per kernel (device time of the whole program / kernels). Run it twice, with
+Prints us per kernel: the host's wall time of a whole program call (dispatch to ready) / kernels. Run it twice, with
 XLA_FLAGS=--xla_gpu_enable_pdl=false the second time, to see what PDL does to each kind.
 """
 

@@ -170,6 +170,15 @@ class _FlakyStore:
         return self.kv[key]
 
 
+def _beats(store, rank, deadline=5.0):
+    from jaxserve.parallel import multihost
+
+    end = time.monotonic() + deadline
+    while store.kv.get(f"{multihost.PREFIX}/hb/{rank}") in (None, "0") and time.monotonic() < end:
+        time.sleep(0.01)
+    return store.kv.get(f"{multihost.PREFIX}/hb/{rank}") not in (None, "0")
+
+
 @pytest.mark.parametrize("leaving", [False, True])
 def test_watchdog_on_a_lost_coordinator(monkeypatch, leaving):
     """Losing the coordinator is fatal while serving; once rank 0 has told the followers to stop (its own
@@ -181,11 +190,25 @@ def test_watchdog_on_a_lost_coordinator(monkeypatch, leaving):
     wd = multihost.Watchdog(store, rank=0, world=2, address="127.0.0.1:1", period=0.02)
     monkeypatch.setattr(multihost, "die", lambda msg, code=1: (died.append(msg), wd.stop()))
     wd.start()
-    time.sleep(0.1)
-    assert store.kv.get(f"{multihost.PREFIX}/hb/0") not in (None, "0")  # it beats
+    assert _beats(store, 0)
     if leaving:
         wd.leaving()
     store.down = True
     wd._thread.join(timeout=5)
     assert not wd._thread.is_alive()
     assert died == [] if leaving else (len(died) == 1 and "lost the coordinator" in died[0])
+
+
+def test_watchdog_still_reports_a_silent_follower_while_leaving(monkeypatch):
+    """leaving() only forgives the coordinator going away: a follower that stops beating is still fatal."""
+    from jaxserve.parallel import multihost
+
+    died = []
+    store = _FlakyStore()
+    store.kv[f"{multihost.PREFIX}/hb/1"] = "0"  # the follower beat once, then went silent
+    wd = multihost.Watchdog(store, rank=0, world=2, address="127.0.0.1:1", timeout=0.2, period=0.02)
+    monkeypatch.setattr(multihost, "die", lambda msg, code=1: (died.append(msg), wd.stop()))
+    wd.leaving()
+    wd.start()
+    wd._thread.join(timeout=5)
+    assert not wd._thread.is_alive() and len(died) == 1 and "node rank 1 stopped responding" in died[0]

@@ -319,14 +319,15 @@ def leader_shutdown() -> None:
         return
     c._stopped = True
     # The watchdog keeps running: if a follower is already dead, jax's shutdown barrier would wait for it,
-    # and the watchdog's one-line error and exit end that wait. Losing the coordinator is no longer an
-    # error: it is this process's own service, stopped by jax's shutdown at exit (that race made the
-    # server exit with status 1 after a clean stop, once in CI).
-    c.watchdog.leaving()
+    # and the watchdog's one-line error and exit end that wait. Once the stop is published, losing the
+    # coordinator is no longer an error: it is this process's own service, stopped by jax's shutdown at
+    # exit (that race made the server exit with status 1 after a clean stop, once in CI).
     try:
         c.bus.publish(("stop",))
     except Exception:
         log.debug("could not publish stop", exc_info=True)
+    else:
+        c.watchdog.leaving()
 
 
 def follow(runner) -> int:
