@@ -22,21 +22,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.profiling import kernel_table  # noqa: E402
+from bench.profiling import check_and_time, parse_kv  # noqa: E402
 from bench.random_model import random_qweight  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_byte_gemv as bg  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_dp4a as dp  # noqa: E402
-from jaxserve.kernels.split_sum import SplitSum  # noqa: E402
 from jaxserve.quant.qweight import dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672),
           "head": (4096, 128256)}
 VARIANTS = ["group_dot=1", "block_n=16", "block_n=64", "block_k=64", "block_k=256", "block_k=512", "per_sm=4",
             "per_sm=16", "max_splits=4", "max_splits=16", "num_warps=2", "num_warps=8", "num_stages=2"]
-
-
-def parse(v):
-    return {k: int(x) for k, x in (i.split("=") for i in filter(None, v.split(",")))}
 
 
 def main():
@@ -53,7 +48,6 @@ def main():
     print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     print("| format | shape | M | impl | check (rel err) | us per call | TB/s of codes+scales |\n"
           "|---|---|---|---|---|---|---|", flush=True)
-    keep = lambda y: y.parts if isinstance(y, SplitSum) else y  # noqa: E731
     for fmt in args.formats.split(","):
         for sname in args.shapes.split(","):
             K, N = SHAPES[sname]
@@ -74,16 +68,11 @@ def main():
                              x, w[0], w[1], xq="kernel", split_out=True, interpret=interpret)),
                          ("byte gemv (defaults)", ws, lambda x, w: bg.gemv(
                              x, w[0], w[1], split_out=True, interpret=interpret))]
-                impls += [(f"byte gemv {v}", ws, lambda x, w, kw=parse(v): bg.gemv(
+                impls += [(f"byte gemv {v}", ws, lambda x, w, kw=parse_kv(v): bg.gemv(
                     x, w[0], w[1], split_out=True, interpret=interpret, **kw)) for v in variants]
                 for label, wl, f in impls:
                     try:
-                        y = jax.jit(f)(x, wl[0])
-                        got = np.asarray(y.total() if isinstance(y, SplitSum) else y, np.float32)
-                        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                        run = jax.jit(lambda x, wl, f=f: [keep(f(x, w)) for w in wl])
-                        lines = kernel_table(lambda: run(x, wl), calls=3)
-                        ns = sum(v[1] for v in lines.get("kernels", {}).values()) / (3 * len(wl))
+                        err, ns = check_and_time(f, x, wl, want)
                         tbs = (K * N * 2 if label.startswith("xla") else nbytes) / (ns * 1e-9) / 1e12 if ns else float("nan")
                         ok = "OK" if err < 2e-2 else "BAD"
                         print(f"| {fmt} | {sname} {K}x{N} | {M} | {label} | {err:.1e} {ok} | {ns / 1e3:.1f} | {tbs:.2f} |",

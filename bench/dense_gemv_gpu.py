@@ -18,20 +18,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.profiling import kernel_table  # noqa: E402
+from bench.profiling import check_and_time, parse_kv  # noqa: E402
 from jaxserve.kernels import dense_gemv  # noqa: E402
 from jaxserve.kernels.dense_gemv import pallas_triton as dpt, reference  # noqa: E402
-from jaxserve.kernels.split_sum import SplitSum, total  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144, None), "o": (4096, 4096, None), "down": (14336, 4096, "silu"),
           "gate_up": (4096, 28672, None)}
 VARIANTS = ["", "block_n=128,block_k=128", "block_n=32,block_k=256", "block_n=64,block_k=128",
             "block_n=128,block_k=64,max_splits=16", "block_n=64,block_k=128,num_warps=8",
             "block_n=64,block_k=64,num_stages=4", "block_n=128,block_k=128,max_splits=4", "mode=fma"]
-
-
-def parse(v):
-    return {k: int(x) if x.isdigit() else x for k, x in (i.split("=") for i in filter(None, v.split(",")))}
 
 
 def main():
@@ -58,7 +53,7 @@ def main():
             with jax.default_matmul_precision("highest"):
                 want = np.asarray(reference.gemv(x.astype(jnp.float32), ws[0].astype(jnp.float32), act=act))
             nbytes = K * N * 2
-            impls = [("xla", None)] + [(v or "defaults", parse(v)) for v in variants]
+            impls = [("xla", None)] + [(v or "defaults", parse_kv(v)) for v in variants]
             for label, kw in impls:
                 if kw is None:
                     f = (lambda x, w: dense_gemv.act_mul(act, x) @ w) if act else (lambda x, w: x @ w)
@@ -67,14 +62,7 @@ def main():
                     f = (lambda kw, so: lambda x, w: dpt.gemv(x, w, act=act, split_out=so, interpret=interpret,
                                                              **kw))(kw, so)
                 try:
-                    y = jax.jit(f)(x, ws[0])
-                    got = np.asarray(total(y), np.float32)
-                    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                    # a SplitSum's parts are left for the consumer: time the kernel alone
-                    keep = lambda y: y.parts if isinstance(y, SplitSum) else y  # noqa: E731
-                    run = jax.jit(lambda x, ws: [keep(f(x, w)) for w in ws])
-                    lines = kernel_table(lambda: run(x, ws), calls=3)
-                    ns = sum(v[1] for v in lines.get("kernels", {}).values()) / (3 * len(ws))
+                    err, ns = check_and_time(f, x, ws, want)  # SplitSum parts left for the consumer
                     us = ns / 1e3
                     tbs = nbytes / (ns * 1e-9) / 1e12 if ns else float("nan")
                     ok = "OK" if err < 1e-2 else "BAD"

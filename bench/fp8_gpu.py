@@ -19,21 +19,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.profiling import kernel_table  # noqa: E402
+from bench.profiling import check_and_time, parse_kv  # noqa: E402
 from bench.random_model import random_qweight  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_fp8 as f8  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_triton as pt  # noqa: E402
-from jaxserve.kernels.split_sum import SplitSum  # noqa: E402
 from jaxserve.quant.qweight import dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
 # M <= 64 (GEMV keys apply to the rows GEMV['max_m'] sends there; gemv_max_m=0 / 4 moves them)
 VARIANTS = ["gemv_max_m=0", "gemv_max_m=4", "gemv_block_n=32", "gemv_block_n=128", "gemv_block_k=64",
             "gemv_per_sm=4", "gemv_per_sm=16", "gemv_max_splits=16", "gemv_num_warps=8", "gemv_num_stages=1"]
-
-
-def parse(v):
-    return {k: int(x) for k, x in (i.split("=") for i in filter(None, v.split(",")))}
 
 
 def main():
@@ -64,7 +59,7 @@ def main():
             impls = [("xla bf16 weights", dense, lambda x, w: x @ w),
                      ("fp8 [N,K] (engine)", kns, functools.partial(f8.qmatmul, interpret=interpret)),
                      ("fp8 q0 (transposed in kernel)", qs, functools.partial(f8.qmatmul, interpret=interpret))]
-            impls += [(f"fp8 [N,K] {v}", kns, functools.partial(f8.qmatmul, interpret=interpret, **parse(v)))
+            impls += [(f"fp8 [N,K] {v}", kns, functools.partial(f8.qmatmul, interpret=interpret, **parse_kv(v)))
                       for v in (variants if M <= 64 else ["block_m=64", "block_m=128,num_warps=8"])]
             if M <= 4:  # the CUDA-core GEMV with each weight scaled (weights whose scales are not 128x128 blocks)
                 impls.append(("fp8 gemv, per-column scales", kns, functools.partial(
@@ -76,12 +71,7 @@ def main():
                     x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)))
             for label, ws, f in impls:
                 try:
-                    got = np.asarray(jax.jit(f)(x, ws[0]), np.float32)
-                    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                    keep = lambda y: y.parts if isinstance(y, SplitSum) else y  # noqa: E731
-                    run = jax.jit(lambda x, ws, f=f: [keep(f(x, w)) for w in ws])
-                    lines = kernel_table(lambda: run(x, ws), calls=3)
-                    ns = sum(v[1] for v in lines.get("kernels", {}).values()) / (3 * len(ws))
+                    err, ns = check_and_time(f, x, ws, want)
                     us = ns / 1e3
                     tbs = K * N / (ns * 1e-9) / 1e12 if ns else float("nan")
                     tf = 2 * M * K * N / (ns * 1e-9) / 1e12 if ns else float("nan")

@@ -124,3 +124,26 @@ def print_timeline(programs, busy_ns, span_ns, line_names, gaps=(), label: str =
     print("| program | runs | mean ms | mean idle before, us |\n|---|---|---|---|")
     for name, (n, dur, gaps, g) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
         print(f"| {name} | {n} | {dur / n / 1e6:.3f} | {gaps / max(g, 1) / 1e3:.1f} |")
+
+
+def parse_kv(spec: str) -> dict:
+    """'block_n=64,mode=fma' -> {'block_n': 64, 'mode': 'fma'}: a benchmark variant's keyword arguments."""
+    return {k: int(v) if v.isdigit() else v for k, v in (i.split("=") for i in filter(None, spec.split(",")))}
+
+
+def check_and_time(f, x, weights, want, calls: int = 3):
+    """(relative error of f(x, weights[0]) against `want`, device ns per call of f): a matmul variant
+    checked against its oracle, then timed over all of `weights` (distinct copies, so no copy is still
+    in L2 from the call before). A SplitSum result is checked by its total and timed as its parts (the
+    consumer adds them)."""
+    import numpy as np
+
+    from jaxserve.kernels.split_sum import SplitSum, total
+
+    got = np.asarray(total(jax.jit(f)(x, weights[0])), np.float32)
+    err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    keep = lambda y: y.parts if isinstance(y, SplitSum) else y  # noqa: E731
+    run = jax.jit(lambda x, ws: [keep(f(x, w)) for w in ws])
+    lines = kernel_table(lambda: run(x, weights), calls=calls)
+    return err, sum(v[1] for v in lines.get("kernels", {}).values()) / (calls * len(weights))
+

@@ -200,7 +200,8 @@ def main(argv=None):
                 toks = [r.outputs[0].token_ids for r in llm.generate(check_prompts, sp, use_tqdm=False)]
                 if args.tokens_digest:
                     digest = hashlib.sha256(repr(toks).encode()).hexdigest()[:16]
-                    print(f"# greedy tokens (4 prompts x 16) digest: {digest}", flush=True)
+                    print(f"# greedy tokens (4 prompts x 16) digest: {digest} (tp={tpv} per_sm={ps} "
+                          f"split_sums={ss} byte_gemv={bgv})", flush=True)
                 if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
                     check_tokens[tpv] = toks
                     tp_same[tpv] = sum(a == b for a, b in zip(toks, check_tokens[tps[0]]))

@@ -9,7 +9,8 @@
 
 Not set here, measured: XLA's programmatic dependent launch (`--xla_gpu_enable_pdl`, its kernels start
 while their predecessor finishes and wait on the device) is XLA's default in jax 0.10.2 and 0.11.2;
-turning it off cost int4 bs1 8% (502 -> 463 tok/s) and bf16 bs1 at 4k 5% (222 -> 211) on the H200.
+turning it off cost int4 bs1 8% (502 -> 463 tok/s through LLM.generate, two pairs) and bf16 bs1 1-5%
+(at 4k through LLM.generate 222 -> 211, one pair; ~1% device-only) on the H200.
 
 A flag the user already put in XLA_FLAGS is left as they set it; JAXSERVE_XLA_DEFAULTS=0 turns all of
 these off. The flags are GPU options: XLA on a CPU accepts and ignores them. The command-buffer list is

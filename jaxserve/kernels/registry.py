@@ -27,4 +27,3 @@ def tuned(what: str, defaults, given: dict, also=()) -> dict:
     if unknown:
         raise ValueError(f"{what}: unknown tuning {sorted(unknown)}; known: {sorted(defaults)}")
     return dict(defaults, **given)
-
