@@ -380,6 +380,7 @@ class LLMEngine:
         self.text_states: dict[int, TextState] = {}
         self.requests: dict[str, list[Sequence]] = {}
         self._rng = random.Random(ecfg.seed)
+        self._grammar = None  # structured.GrammarCompiler, built on the first constrained request
         self.num_steps = 0
         self.num_preemptions = 0
         if warmup:
@@ -414,6 +415,16 @@ class LLMEngine:
         msg = self.scheduler.check_prompt_fits(len(prompt_ids), params.max_tokens)
         if msg:
             raise PromptTooLongError(msg)
+        if params.structured is not None:
+            self.grammar_compiler.matcher(params.structured)  # StructuredOutputError: a bad grammar
+
+    @property
+    def grammar_compiler(self):
+        if self._grammar is None:
+            from jaxserve.engine.structured import GrammarCompiler
+
+            self._grammar = GrammarCompiler(self.tokenizer, self.cfg.vocab_size)
+        return self._grammar
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> list[Sequence]:
@@ -426,6 +437,8 @@ class LLMEngine:
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
                            choice_index=i, sample_seed=seed & 0x7FFFFFFF)
+            if params.structured is not None:
+                seq.matcher = self.grammar_compiler.matcher(params.structured)
             if arrival_time is not None:
                 seq.arrival_time = arrival_time
             self.text_states[seq.seq_id] = TextState(seq, self.tokenizer)

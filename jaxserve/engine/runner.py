@@ -405,7 +405,7 @@ class ModelRunner:
 
     def _empty_inputs(self, key) -> dict:
         S = key[1] if key[0] == "decode" else self.ecfg.max_num_seqs
-        st = build_sampling_tensors([], S, [])
+        st = build_sampling_tensors([], S, [], vocab_size=self.cfg.vocab_size)
         st["want_logprobs"] = np.bool_(False)
         base = {
             "block_tables": np.zeros((S + 1, self.MB), np.int32),
@@ -446,7 +446,7 @@ class ModelRunner:
             key = ("mixed", self._bucket(self.ecfg.token_buckets, max(chunk_len, 1)))
         inp = self._empty_inputs(key)
         S = inp["rows"].shape[0]
-        params, seeds = [], []
+        params, seeds, masks = [], [], []
         for i, s in enumerate(items):
             seq = s.seq
             bt = seq.block_table
@@ -455,11 +455,15 @@ class ModelRunner:
             inp["samples"][i] = s.samples
             params.append(seq.params)
             seeds.append(seq.sample_seed)
+            # structured output: the tokens its grammar allows next (the scheduler gives such a
+            # sequence one token per dispatch, so the matcher has seen every token before this one)
+            masks.append(seq.matcher.mask() if s.samples and seq.matcher is not None else None)
         inp["st"] = build_sampling_tensors(params, S, seeds,
                                            # a step scheduled ahead follows tokens not read yet
                                            output_lens=[len(s.seq.output_token_ids) + s.start
                                                         - s.seq.num_computed_tokens for s in items],
-                                           eos_token_ids=self.cfg.eos_token_ids)
+                                           eos_token_ids=self.cfg.eos_token_ids,
+                                           vocab_size=self.cfg.vocab_size, masks=masks)
         inp["st"]["want_logprobs"] = np.bool_(any(p.logprobs for p in params))
         if key[0] == "decode":
             for i, s in enumerate(items):

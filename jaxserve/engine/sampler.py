@@ -5,7 +5,8 @@ here. The device half follows vLLM's order:
 
   1. logprobs (returned) come from the RAW logits' log_softmax;
   2. logit bias, min_tokens EOS suppression, repetition penalty (HF: over prompt and output tokens),
-     frequency and presence penalties (OpenAI: over output counts);
+     frequency and presence penalties (OpenAI: over output counts); then structured output's token
+     mask (-inf for tokens its grammar does not allow);
   3. greedy rows (temperature 0) take the argmax;
   4. the others: temperature, top-k, top-p (over the top-k-renormalised distribution), min-p
      (relative to the most likely token), then an exact draw whose noise comes only from
@@ -146,6 +147,19 @@ def apply_penalties(logits: jax.Array, st: dict, output_counts: jax.Array, promp
     # reading counts + mask is ~5 bytes per vocab entry per row: skip it when nobody asked
     need = jnp.any((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
     return lax.cond(need, penalise, lambda x: x, x)
+
+
+def apply_token_mask(x: jax.Array, st: dict) -> jax.Array:
+    """Structured output: in constrained rows, tokens whose bit in st["allowed"] (u32 [S, W]) is
+    clear get -inf. Skipped (lax.cond) when no row is constrained."""
+    S, V = x.shape
+
+    def mask(x):
+        bits = (st["allowed"][:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+        ok = bits.reshape(S, -1)[:, :V] != 0
+        return jnp.where(st["constrained"][:, None] & ~ok, _NEG_INF, x)
+
+    return lax.cond(jnp.any(st["constrained"]), mask, lambda x: x, x)
 
 
 def _sortable(z: jax.Array) -> jax.Array:
@@ -354,6 +368,8 @@ def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax
     if logprobs or num_top > 0:
         lse_raw = _logsumexp(logits, jnp.max(logits, axis=-1))
     x = apply_penalties(logits, st, output_counts, prompt_mask)
+    if "constrained" in st:  # static: present when the runner built the tensors with a vocabulary
+        x = apply_token_mask(x, st)
     temp = st["temperature"].astype(jnp.float32)
     greedy = temp <= 0.0
     # one reciprocal per row: x * inv is bitwise stable under fusion, unlike a fused divide

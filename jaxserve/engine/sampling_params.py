@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from jaxserve.engine.structured import StructuredOutput
+
 
 class SamplingParamsError(ValueError):
     """Invalid sampling parameters; `param` names the offending field (for OpenAI error bodies)."""
@@ -35,6 +37,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob + top-k
     prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token logprob + top-k
     skip_special_tokens: bool = True
+    # the output must match a JSON schema / JSON object / regex / choice / Lark grammar (a dict of
+    # StructuredOutput's fields is accepted too)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -43,6 +48,13 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if isinstance(self.structured, dict):
+            try:
+                self.structured = StructuredOutput(**self.structured)
+            except TypeError as e:  # an unknown field
+                raise SamplingParamsError(f"structured: {e}", "structured") from None
+        elif self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SamplingParamsError("structured must be a StructuredOutput or a dict of its fields", "structured")
         self.validate()
 
     def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:

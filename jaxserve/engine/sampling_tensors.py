@@ -39,6 +39,8 @@ def build_sampling_tensors(
     output_lens: Sequence[int] | None = None,
     eos_token_ids: Sequence[int] = (),
     max_eos: int = DEFAULT_MAX_EOS,
+    vocab_size: int | None = None,
+    masks: Sequence[np.ndarray | None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Pack the batch's sampling parameters into arrays padded to `num_rows` (S).
 
@@ -53,7 +55,10 @@ def build_sampling_tensors(
       bias_ids i32[S, B] (-1 = unused), bias_vals f32[S, B],
       suppress_eos bool[S], eos_ids i32[S, E] (-1 = unused),
       min_tokens_left i32[S] (outputs still to come before EOS is allowed; with K decode steps per
-      dispatch the runner can use `min_tokens_left > k` as step k's suppress_eos).
+      dispatch the runner can use `min_tokens_left > k` as step k's suppress_eos);
+    and with vocab_size (W = ceil(vocab_size / 32)): constrained bool[S], allowed u32[S, W] (bit t % 32
+      of word t // 32: token t may be sampled) from masks[i] (structured output's GrammarMatcher.mask(),
+      None for an unconstrained row; all ones when unconstrained).
 
     Raises ValueError when rows exceed num_rows, a row has more than max_bias logit_bias entries,
     or more than max_eos ids to suppress (the server caps both).
@@ -81,6 +86,15 @@ def build_sampling_tensors(
         "eos_ids": np.full((S, max_eos), -1, np.int32),
         "min_tokens_left": np.zeros(S, np.int32),
     }
+    if vocab_size is not None:
+        out["constrained"] = np.zeros(S, np.bool_)
+        out["allowed"] = np.full((S, -(-int(vocab_size) // 32)), 0xFFFFFFFF, np.uint32)
+        for i, m in enumerate(masks or ()):
+            if m is not None:
+                out["constrained"][i] = True
+                out["allowed"][i] = m
+    elif masks and any(m is not None for m in masks):
+        raise ValueError("token masks need vocab_size")
     eos = [int(t) for t in eos_token_ids]
     for i, p in enumerate(params):
         if p is None:

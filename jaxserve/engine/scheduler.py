@@ -244,7 +244,8 @@ class Scheduler:
         if len(out.scheduled) != len(self.running):
             return 1  # a running prefill sat this step out for blocks: do not keep it waiting K
         for s in out.scheduled:
-            if s.num_new != 1 or not s.samples or s.reset_row:
+            # structured output: each token's mask needs the token before it on the host
+            if s.num_new != 1 or not s.samples or s.reset_row or s.seq.matcher is not None:
                 return 1
         K = self._multi_step([s.seq for s in out.scheduled], K)
         if K <= 1:
@@ -271,7 +272,8 @@ class Scheduler:
         if not items or len(items) != len(self.running):
             return None
         for s in items:
-            if s.num_new != 1 or not s.samples or s.start != s.seq.num_computed_tokens:
+            if (s.num_new != 1 or not s.samples or s.start != s.seq.num_computed_tokens
+                    or s.seq.matcher is not None):
                 return None
         items = [s for s in items if self._remaining(s.seq) > K0]  # the rest end by length in prev
         if not items:
@@ -306,6 +308,26 @@ class Scheduler:
             return True
         return False
 
+    @staticmethod
+    def _grammar_stops(seq: Sequence, tok: int) -> bool:
+        """Structured output: feed the token to the sequence's grammar; the output ends when the
+        grammar is complete. A token the grammar refuses can only come from a row whose mask left
+        nothing (min_tokens banning EOS where the grammar allows only EOS): it is dropped and the
+        output ends there."""
+        m = seq.matcher
+        if m is None:
+            return False
+        if not m.accept(tok):
+            seq.output_token_ids.pop()
+            if len(seq.output_logprobs) > len(seq.output_token_ids):
+                seq.output_logprobs.pop()
+            seq.finish(FinishReason.STOP)
+            return True
+        if m.done:
+            seq.finish(FinishReason.STOP)
+            return True
+        return False
+
     def update(self, sched_out: SchedulerOutput, result: StepResult,
                eos_check: Callable[[int], bool]) -> list[Sequence]:
         """Apply one step's results. Returns the sequences that got tokens or finished."""
@@ -336,7 +358,7 @@ class Scheduler:
                         seq.output_logprobs.append(lps[j])
                     if seq.first_token_time is None:
                         seq.first_token_time = time.monotonic()
-                    if self._stops(seq, int(tok), eos_check):
+                    if self._stops(seq, int(tok), eos_check) or self._grammar_stops(seq, int(tok)):
                         break  # tokens after the stop are dropped
             # name newly full blocks before a finished seq gives them back, so they stay cached
             self.bm.commit_computed(seq)

@@ -47,6 +47,8 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     sample_seed: int = 0  # noise comes from (sample_seed, position) only
+    # structured output: the GrammarMatcher that masks this sequence's next token (structured.py)
+    matcher: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -297,6 +297,24 @@ def put_replicated(tree, sharding):
     return jax.tree.map(put, tree)
 
 
+def _pack_step(inp: dict) -> dict:
+    """The step message without the structured-output mask when no row is constrained (its all-ones
+    [S, vocab/32] words would be most of the message): its shape stands in for it."""
+    st = inp["st"]
+    if "allowed" in st and not st["constrained"].any():
+        inp = dict(inp, st=dict(st, allowed=("ones", st["allowed"].shape)))
+    return inp
+
+
+def _unpack_step(inp: dict) -> dict:
+    import numpy as np
+
+    a = inp["st"].get("allowed")
+    if isinstance(a, tuple):
+        inp = dict(inp, st=dict(inp["st"], allowed=np.full(a[1], 0xFFFFFFFF, np.uint32)))
+    return inp
+
+
 def leader_runner_cls(bus: StepBus):
     """A ModelRunner whose every prepared step is also published to the followers."""
     from jaxserve.engine.runner import ModelRunner
@@ -305,7 +323,7 @@ def leader_runner_cls(bus: StepBus):
         def prepare(self, sched):
             # (key, numpy inputs, host-only extras...): only the key and the inputs cross hosts.
             key, inp, *rest = super().prepare(sched)
-            bus.publish(("step", key, inp))
+            bus.publish(("step", key, _pack_step(inp)))
             # Already global arrays: dispatch's device_put onto the same sharding is then a no-op.
             return (key, put_replicated(inp, self._replicated), *rest)
 
@@ -344,6 +362,7 @@ def follow(runner) -> int:
             log.info("rank %d: rank 0 stopped after %d steps", c.rank, steps)
             return steps
         _, key, inp = msg
+        inp = _unpack_step(inp)
         exe = runner.compile(key)
         inp = put_replicated(inp, runner._replicated)
         runner.state, out = exe(runner.consts, runner.weights, runner.state, inp)

@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from jaxserve.server import tools
+from jaxserve.server import structured, tools
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import Generation, Prompt, chat_logprobs, new_id
 from jaxserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
@@ -25,19 +25,27 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     funcs = tools.check_tools(req.tools, req.tool_choice)
-    params = chat_params(state, req)
+    one_call = req.parallel_tool_calls is False
+    forced = tools.forced_call(req.tool_choice) if funcs else None
+    spec = structured.pick(
+        ("response_format", structured.from_response_format(req.response_format)),
+        ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)),
+        ("tool_choice", structured.forced_tool_spec(funcs, forced, one_call) if forced else None))
+    params = chat_params(state, req, spec)
     ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, funcs)
     gen = Generation(state, [Prompt(ids)], params, new_id("chatcmpl"), prompt_param="messages")
     gen.submit()
-    one_call = req.parallel_tool_calls is False
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream(request, state, gen, model, include_usage, funcs, one_call)
+        return await _stream(request, state, gen, model, include_usage, funcs, one_call, forced)
     await gen.run()
     want_lp = params.logprobs is not None
     choices = []
     for c in gen.choices:
-        content, calls = tools.parse(c.full_text, funcs) if funcs else (c.full_text, [])
+        if forced:
+            content, calls = None, tools.parse_forced(c.full_text, forced)
+        else:
+            content, calls = tools.parse(c.full_text, funcs) if funcs else (c.full_text, [])
         calls = calls[:1] if one_call else calls
         choices.append(ChatChoice(
             index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
@@ -48,7 +56,8 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
 
 
 async def _stream(request, state, gen: Generation, model: str, include_usage: bool,
-                  funcs: list[dict] | None = None, one_call: bool = False) -> web.StreamResponse:
+                  funcs: list[dict] | None = None, one_call: bool = False,
+                  forced: str | None = None) -> web.StreamResponse:
     want_lp = gen.params.logprobs is not None
     base = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model}
 
@@ -64,7 +73,9 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
     w = SSEWriter(request)
     finished: set[int] = set()
     # with tools: content is streamed until a call may have begun (server/tools.StreamHolder)
-    holders = {c.index: tools.StreamHolder() for c in gen.choices} if funcs else {}
+    # a forced call (tool_choice "required" or named) streams no content: its calls come at the end
+    holders = {c.index: tools.ForcedCallHolder(forced) if forced else tools.StreamHolder()
+               for c in gen.choices} if funcs else {}
 
     async def on_updates(updates) -> None:
         chunks = []

@@ -82,6 +82,8 @@ class _Sampling(_Req):
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    structured_outputs: Any = None  # vLLM: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
+    response_format: Any = None  # OpenAI (chat); vLLM accepts it on completions too
     # accepted and ignored (see IGNORED_FIELDS)
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -105,7 +107,6 @@ class ChatCompletionRequest(_Sampling):
     # not implemented: refused unless absent/neutral (check_unsupported)
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -143,8 +144,6 @@ def _neutral(field: str, v: Any) -> bool:
         return v == []
     if field == "function_call":
         return v == "none"
-    if field == "response_format":
-        return v == {"type": "text"}
     if field == "modalities":
         return v == ["text"]
     return False
@@ -153,7 +152,6 @@ def _neutral(field: str, v: Any) -> bool:
 _UNSUPPORTED_WHY = {
     "functions": "the deprecated 'functions' API is not implemented: use 'tools'",
     "function_call": "the deprecated 'function_call' is not implemented: use 'tool_choice'",
-    "response_format": "structured output is not implemented (only {\"type\": \"text\"} is accepted)",
     "audio": "audio output is not supported",
     "modalities": "only the \"text\" modality is supported",
     "prediction": "predicted outputs are not implemented",

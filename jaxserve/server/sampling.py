@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from jaxserve.server import tools
+from jaxserve.server import structured, tools
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -95,12 +95,13 @@ def _check_logprobs(state, k: int | None, param: str) -> None:
         raise bad_request(f"{param} must be between 0 and {lim}, got {k}", param)
 
 
-def chat_params(state, req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(state, req: ChatCompletionRequest, spec=None) -> SamplingParams:
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise bad_request("give max_completion_tokens or max_tokens, not both", "max_tokens")
     mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw = _common(state, req, mt)
+    kw["structured"] = spec  # response_format, structured_outputs or a forced tool call (chat.py)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("logprobs must be true when top_logprobs is given", "top_logprobs")
     if req.logprobs:
@@ -117,6 +118,9 @@ def completion_params(state, req: CompletionRequest) -> tuple[SamplingParams, bo
         raise bad_request(f"max_tokens must be >= 0, got {mt}", "max_tokens")
     discard = mt == 0
     kw = _common(state, req, 1 if discard else mt)
+    kw["structured"] = None if discard else structured.pick(
+        ("response_format", structured.from_response_format(req.response_format)),
+        ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)))
     if req.best_of is not None and req.best_of != kw["n"]:
         raise bad_request("best_of other than n is not implemented", "best_of", "unsupported_parameter")
     _check_logprobs(state, req.logprobs, "logprobs")

@@ -1,8 +1,9 @@
 """Tool (function) calling for /v1/chat/completions: request validation, the prompt, and parsing the
 model's reply into OpenAI `tool_calls`.
 
-The model decides on its own (tool_choice "auto"): there is no constrained decoding, so "required" and
-a named function are refused with a 400 rather than silently not honoured. Declared tools reach the chat
+With tool_choice "auto" the model decides on its own; with "required" or a named function the reply is
+constrained (structured output) to the JSON of the call(s) — `[{"name", "arguments"}, ...]` or the named
+function's arguments object — and always comes back as `tool_calls` (`parse_forced`). Declared tools reach the chat
 template as `tools` (the Hugging Face convention that Llama 3.1, Qwen 2.5/3, Mistral, Hermes templates
 use); a template that never mentions `tools` gets them in a system message in the Hermes format
 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), which SmolLM2 and most open models were
@@ -75,12 +76,79 @@ def check_tools(tools: Any, tool_choice: Any) -> list[dict] | None:
         return funcs
     if tool_choice == "none":
         return None
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise bad_request("tool_choice 'required' or a named function is not supported: this server cannot "
-                          "force a call (no constrained decoding); use \"auto\" or \"none\"", "tool_choice",
-                          "unsupported_parameter")
+    if tool_choice == "required":
+        return funcs
+    if isinstance(tool_choice, dict):
+        f = tool_choice.get("function")
+        if (set(tool_choice) != {"type", "function"} or tool_choice["type"] != "function"
+                or not isinstance(f, dict) or set(f) != {"name"} or not isinstance(f["name"], str)):
+            raise bad_request("a named tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                              "tool_choice")
+        if f["name"] not in seen:
+            raise bad_request(f"tool_choice names {f['name']!r}, which is not among the tools", "tool_choice")
+        return funcs
     raise bad_request("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", ...}",
                       "tool_choice")
+
+
+def forced_call(tool_choice: Any) -> str | None:
+    """"required", the name of the function a call must be made to, or None (the model decides).
+    tool_choice has passed check_tools."""
+    if tool_choice == "required":
+        return "required"
+    if isinstance(tool_choice, dict):
+        return tool_choice["function"]["name"]
+    return None
+
+
+def _new_call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_forced(text: str, forced: str) -> list[dict]:
+    """The tool calls of a reply constrained by structured.forced_tool_spec. A reply cut short by
+    max_tokens is not valid JSON: for a named function its text is still the (partial) arguments, for
+    "required" the complete calls before the cut are kept."""
+    if forced != "required":
+        args = _json(text)
+        return [_new_call(forced, json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else text.strip())]
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        items = _complete_prefix(text)
+    return [_new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
+            for c in items if isinstance(c, dict) and isinstance(c.get("name"), str)]
+
+
+def _complete_prefix(text: str) -> list:
+    """The whole objects at the start of a JSON array that was cut off."""
+    dec, out = json.JSONDecoder(), []
+    i = text.find("[") + 1
+    while 0 < i < len(text):
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        out.append(obj)
+    return out
+
+
+class ForcedCallHolder:
+    """StreamHolder's interface for a forced call: nothing is streamed as content, the calls come at
+    the end."""
+
+    def __init__(self, forced: str):
+        self.forced, self.text = forced, ""
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        return ""
+
+    def finish(self, funcs: list[dict]) -> tuple[str, list[dict]]:
+        return "", parse_forced(self.text, self.forced)
 
 
 def template_tools(funcs: list[dict]) -> list[dict]:
@@ -119,8 +187,7 @@ def _call(obj: Any, names: set[str]) -> dict | None:
             return None
     if not isinstance(args, dict):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return _new_call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _json(s: str) -> Any:

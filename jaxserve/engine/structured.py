@@ -1,0 +1,201 @@
+"""Structured output — JSON schema, any JSON object, regex, a fixed choice, a Lark grammar: the host
+half. No JAX.
+
+A constrained sequence carries a `GrammarMatcher`. Before each step that samples for it, the runner
+asks the matcher for a bitmask of the tokens that keep the output inside the grammar (the sampler sets
+every other logit to -inf, sampler.apply_token_mask); after each sampled token the scheduler feeds the
+token to the matcher, and the sequence ends when the grammar is complete. The masks come from
+llguidance (an Earley parser walked over the tokenizer's token trie; ~0.05 ms a mask for SmolLM2's
+49k tokens), imported only when a request asks for structured output.
+
+A step's mask depends on the token sampled just before it, so a batch that holds a constrained
+sequence decodes one token per dispatch and is never scheduled ahead (the other sequences in that
+batch lose multi-step decoding while it runs; their tokens are the same).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+# Between JSON tokens: at most this many whitespace characters (a newline and indentation for a few
+# levels of pretty-printing). llguidance's default allows any number, and a small model can then emit
+# whitespace until max_tokens without ever closing the object.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputError(ValueError):
+    """The requested grammar is invalid (a 400 for the server)."""
+
+    param = "response_format"
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: exactly one of the fields.
+
+    json_schema: a JSON Schema (dict, or its JSON text); json_object: any JSON object; regex: a
+    regular expression (Rust `regex` syntax) the whole output matches; choice: one of these strings
+    exactly; grammar: a Lark grammar (llguidance's dialect: `start: ...`).
+    """
+
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputError(
+                f"structured output needs exactly one of {', '.join(KINDS)}; got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
+        if isinstance(self.json_schema, str):
+            try:
+                json.loads(self.json_schema)
+            except ValueError as e:
+                raise StructuredOutputError(f"json_schema is not valid JSON: {e}") from None
+        elif self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            raise StructuredOutputError("json_schema must be a JSON object")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def to_grammar(self) -> str:
+        """llguidance's grammar text for this constraint."""
+        llg = _llguidance()
+        opts = {"whitespace_pattern": JSON_WHITESPACE}
+        if self.json_object:
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=opts)
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            try:
+                return llg.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=opts)
+            except ValueError as e:
+                raise StructuredOutputError(f"invalid json_schema: {e}") from None
+        if self.regex is not None:
+            return llg.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            # Lark string literals: JSON's escapes are a subset of what they accept
+            return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return llg.LLMatcher.grammar_from_lark(self.grammar)
+
+
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas.
+_SUB_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+               "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+_SUB_LIST = ("anyOf", "oneOf", "prefixItems")  # not allOf: closing one branch would refuse the others' properties
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """A copy of a JSON schema in which an object that lists its properties accepts no others unless
+    it says so (additionalProperties / patternProperties / unevaluatedProperties present) — as OpenAI's
+    strict mode requires and vLLM's default grammar backend assumes. JSON Schema's own default (any
+    extra property) lets a model write properties it invents until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUB_SCHEMA:
+        if k in out:
+            v = out[k]
+            out[k] = [closed_objects(x) for x in v] if isinstance(v, list) else closed_objects(v)
+    for k in _SUB_LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(x) for x in out[k]]
+    for k in _SUB_MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed_objects(x) for name, x in out[k].items()}
+    if (isinstance(out.get("properties"), dict) and out["properties"]
+            and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))):
+        out["additionalProperties"] = False
+    return out
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # a declared dependency; say what is missing rather than a bare ImportError
+        raise StructuredOutputError(f"structured output needs the llguidance package ({e})") from None
+    return llguidance
+
+
+class GrammarCompiler:
+    """One per engine: the tokenizer's llguidance view (built once, on first use: ~0.2 s for a 49k
+    vocabulary) and the width of the sampler's mask rows."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._hf_json = tokenizer.backend.to_str()
+        self._eos = sorted(tokenizer.eos_token_ids) or None
+        self._n_tok = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = int(vocab_size)  # logits width (may exceed the tokenizer's: padded embeddings)
+        self._lltok = None
+        self._lock = threading.Lock()  # the server validates requests on several threads
+
+    @property
+    def lltokenizer(self):
+        with self._lock:
+            if self._lltok is None:
+                llg = _llguidance()
+                self._lltok = llg.LLTokenizer(self._hf_json, n_vocab=self._n_tok, eos_token=self._eos)
+            return self._lltok
+
+    def matcher(self, spec: StructuredOutput) -> "GrammarMatcher":
+        """A fresh matcher at the start of the output; StructuredOutputError for an invalid grammar."""
+        llg = _llguidance()
+        m = llg.LLMatcher(self.lltokenizer, spec.to_grammar(), log_level=0)
+        if m.is_error():
+            raise StructuredOutputError(f"invalid {spec.kind}: {_first_line(m.get_error())}")
+        return GrammarMatcher(m, self.vocab_size)
+
+
+def _first_line(msg: str) -> str:
+    # llguidance appends its parser state and the whole grammar to errors: keep the message itself
+    return msg.split("\n<state>")[0].split("\n<grammar>")[0].strip()
+
+
+def mask_words(vocab_size: int) -> int:
+    """u32 words of one mask row: bit t of word t // 32 is token t."""
+    return -(-int(vocab_size) // 32)
+
+
+class GrammarMatcher:
+    """A sequence's position in its grammar."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._m = matcher
+        self.words = mask_words(vocab_size)
+
+    def mask(self) -> np.ndarray:
+        """u32 [words]: the tokens allowed next (EOS once the output is complete). Tokens past the
+        tokenizer's vocabulary (embedding padding) are never allowed."""
+        bits = np.frombuffer(self._m.compute_bitmask(), np.uint32)
+        out = np.zeros(self.words, np.uint32)
+        n = min(len(bits), self.words)
+        out[:n] = bits[:n]
+        return out
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it."""
+        return bool(self._m.consume_token(int(token))) and not self._m.is_error()
+
+    @property
+    def done(self) -> bool:
+        """The output is complete and nothing more can follow (only EOS is allowed)."""
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return _first_line(self._m.get_error()) if self._m.is_error() else ""

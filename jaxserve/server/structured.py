@@ -1,0 +1,109 @@
+"""Structured output requests -> engine.structured.StructuredOutput.
+
+* `response_format` (OpenAI): {"type": "text"} (nothing), {"type": "json_object"} (any JSON object),
+  {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}};
+* `structured_outputs` (vLLM's extension, chat and completions): exactly one of "json" (a schema),
+  "json_object", "regex", "choice", "grammar" (Lark);
+* forced tool calls (chat `tool_choice` "required" or {"type": "function", "function": {"name"}}): the
+  reply is constrained to the JSON of the call(s) and returned as `tool_calls` (server/tools.py).
+
+Shapes are checked here (400 naming the field); the grammar itself is compiled when the engine
+validates the request (an invalid schema or regex is a 400 from there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxserve.engine.structured import StructuredOutput, StructuredOutputError
+from jaxserve.server.errors import bad_request
+
+_SO_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}
+
+
+def _spec(param: str, **kw) -> StructuredOutput:
+    try:
+        return StructuredOutput(**kw)
+    except StructuredOutputError as e:
+        raise bad_request(str(e), param) from None
+
+
+def from_response_format(rf: Any) -> StructuredOutput | None:
+    param = "response_format"
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad_request("response_format must be an object with a \"type\"", param)
+    kind = rf["type"]
+    extra = set(rf) - {"type", "json_schema"}
+    if extra or ("json_schema" in rf and kind != "json_schema"):
+        raise bad_request(f"response_format has unknown fields {sorted(extra or {'json_schema'})}", param)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _spec(param, json_object=True)
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}",
+                          f"{param}.type")
+    js = rf.get("json_schema")
+    where = f"{param}.json_schema"
+    if not isinstance(js, dict):
+        raise bad_request("response_format.json_schema must be an object {\"name\", \"schema\", ...}", where)
+    extra = set(js) - {"name", "schema", "strict", "description"}
+    if extra:
+        raise bad_request(f"{where} has unknown fields {sorted(extra)}", where)
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise bad_request(f"{where}.name must be a non-empty string", f"{where}.name")
+    if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
+        raise bad_request(f"{where}.strict must be a boolean", f"{where}.strict")
+    schema = js.get("schema", {})  # OpenAI: optional; an empty schema allows any JSON value
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+    return _spec(f"{where}.schema", json_schema=schema)
+
+
+def from_structured_outputs(so: Any) -> StructuredOutput | None:
+    param = "structured_outputs"
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        raise bad_request("structured_outputs must be an object with one of "
+                          f"{', '.join(sorted(_SO_KEYS))}", param)
+    extra = set(so) - set(_SO_KEYS)
+    if extra:
+        raise bad_request(f"structured_outputs has unsupported fields {sorted(extra)} (supported: "
+                          f"{', '.join(sorted(_SO_KEYS))})", param)
+    kw = {_SO_KEYS[k]: v for k, v in so.items() if v not in (None, False)}
+    for k in ("regex", "grammar"):
+        if k in kw and not isinstance(kw[k], str):
+            raise bad_request(f"structured_outputs.{k} must be a string", f"{param}.{k}")
+    if "choice" in kw and not isinstance(kw["choice"], list):
+        raise bad_request("structured_outputs.choice must be a list of strings", f"{param}.choice")
+    if "json_object" in kw and kw["json_object"] is not True:
+        raise bad_request("structured_outputs.json_object must be a boolean", f"{param}.json_object")
+    return _spec(param, **kw)
+
+
+def forced_tool_spec(funcs: list[dict], forced: str, one_call: bool) -> StructuredOutput:
+    """The JSON a forced call must be: a named function's arguments object, or for "required" a list
+    of {"name", "arguments"} calls of the declared functions (one at most when one_call)."""
+    if forced != "required":
+        params = next(f["parameters"] for f in funcs if f["name"] == forced)
+        return _spec("tool_choice", json_schema=params)
+    call = [{"type": "object",
+             "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+             "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+    if one_call:
+        schema["maxItems"] = 1
+    return _spec("tool_choice", json_schema=schema)
+
+
+def pick(*specs: tuple[str, StructuredOutput | None]) -> StructuredOutput | None:
+    """At most one source of structure per request."""
+    given = [(name, s) for name, s in specs if s is not None]
+    if len(given) > 1:
+        raise bad_request(f"{given[0][0]} and {given[1][0]} cannot be combined: both constrain the output",
+                          given[1][0])
+    return given[0][1] if given else None
