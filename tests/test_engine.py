@@ -229,3 +229,37 @@ def test_prompt_logprobs_with_a_one_step_decode_scheduled_ahead(llm):
         eng.ecfg = eng.ecfg.replace(async_scheduling=True)
     assert len(got.outputs[0].token_ids) == 6 and got.outputs[0].token_ids == want.outputs[0].token_ids
     assert got.prompt_logprobs == want.prompt_logprobs and len(got.prompt_logprobs) == len(got.prompt_token_ids)
+
+
+def test_structured_output_beside_free_sequences(llm):
+    """Constrained sequences (JSON schema greedy and sampled, a regex, a choice) in one batch with free
+    ones: each constrained output satisfies its grammar and ends when it is complete; the free
+    sequences' tokens equal their tokens alone (which ran in 4-step decodes: the batch with constrained
+    rows decodes one token per dispatch); nothing compiles."""
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                               "year": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                        "maxItems": 3}},
+              "required": ["title", "year"]}
+    prompts = ["A famous book, as JSON:", "A famous film, as JSON:", "A phone number:", "Is water wet? Answer:",
+               PROMPTS[0], PROMPTS[3]]
+    params = [SamplingParams(temperature=0, max_tokens=80, structured={"json_schema": schema}),
+              SamplingParams(temperature=0.9, seed=11, max_tokens=80, structured={"json_schema": schema}),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=20, structured={"regex": r" \d{3}-\d{4}"}),
+              SamplingParams(temperature=0, structured={"choice": [" yes", " no"]}),
+              _greedy(20), _greedy(20)]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for o in outs[:2]:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), schema)
+    assert re.fullmatch(r" \d{3}-\d{4}", outs[2].text) and outs[2].finish_reason == "stop"
+    assert outs[3].text in (" yes", " no") and outs[3].finish_reason == "stop"
+    for p, o in zip(prompts[4:], outs[4:]):
+        assert o.token_ids == llm.generate(p, _greedy(20))[0].outputs[0].token_ids
+    # the greedy constrained output is reproducible alone
+    assert llm.generate(prompts[0], params[0])[0].outputs[0].text == outs[0].text

@@ -438,10 +438,20 @@ BAD_CHAT = [
      "tools[0].function.name"),
     (json.dumps(chat_body("hi", tool_choice="required")).encode(), "tool_choice"),
     (json.dumps(chat_body("hi", tools=[{"type": "function", "function": {"name": "f"}}],
-                          tool_choice="required")).encode(), "tool_choice"),
+                          tool_choice={"type": "function", "function": {"name": "g"}})).encode(), "tool_choice"),
+    (json.dumps(chat_body("hi", tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+                          response_format={"type": "json_object"})).encode(), "tool_choice"),
     (json.dumps(chat_body("hi", functions=[{"name": "f"}])).encode(), "functions"),
     (json.dumps({"messages": [{"role": "tool", "content": "42"}]}).encode(), "messages[0].tool_call_id"),
-    (json.dumps(chat_body("hi", response_format={"type": "json_object"})).encode(), "response_format"),
+    (json.dumps(chat_body("hi", response_format={"type": "xml"})).encode(), "response_format.type"),
+    (json.dumps(chat_body("hi", response_format={"type": "json_schema"})).encode(), "response_format.json_schema"),
+    (json.dumps(chat_body("hi", response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frob"}}})).encode(), "response_format"),
+    (json.dumps(chat_body("hi", structured_outputs={"regex": "(("})).encode(), "structured_outputs"),
+    (json.dumps(chat_body("hi", structured_outputs={"choice": []})).encode(), "structured_outputs"),
+    (json.dumps(chat_body("hi", structured_outputs={"regex": "a", "choice": ["b"]})).encode(), "structured_outputs"),
+    (json.dumps(chat_body("hi", structured_outputs={"json": {}, "whitespace_pattern": " "})).encode(),
+     "structured_outputs"),
     (json.dumps(chat_body("hi", modalities=["text", "audio"])).encode(), "modalities"),
     (json.dumps(chat_body("hi", logit_bias={str(i): 1 for i in range(65)})).encode(), "logit_bias"),
     (json.dumps(chat_body("hi", logit_bias={"99999999": 5})).encode(), "logit_bias"),
@@ -462,6 +472,7 @@ BAD_COMPLETIONS = [
     (json.dumps({"prompt": "hi", "suffix": "x"}).encode(), "suffix"),
     (json.dumps({"prompt": "word " * 2100}).encode(), "prompt"),
     (json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}).encode(), "stream_options"),
+    (json.dumps({"prompt": "hi", "structured_outputs": {"grammar": "start: foo"}}).encode(), "structured_outputs"),
 ]
 
 
@@ -575,6 +586,23 @@ def _weather_history(city: str) -> list[dict]:
     return msgs + [{"role": "user", "content": f"Weather in {city}?"}]
 
 
+def _stream_chunks(url: str, body: dict) -> list[dict]:
+    """A chat stream's chunks, each valid against OpenAI's schema, ended by [DONE]."""
+    events = sse(f"{url}/v1/chat/completions", body)
+    assert events[-1][1] == "[DONE]"
+    chunks = [e for _, e in events[:-1]]
+    for c in chunks:
+        validate_schema(c, "CreateChatCompletionStreamResponse")
+    return chunks
+
+
+def _streamed_calls(url: str, body: dict) -> tuple[list[dict], list[dict]]:
+    """(choice deltas, tool-call deltas) of a stream that must carry no content."""
+    deltas = [c["choices"][0] for c in _stream_chunks(url, body)]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
+    return deltas, [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
+
+
 def test_tool_calling_end_to_end(url, client):
     """Tools through the real server and model: the reply's Hermes-format call becomes OpenAI
     tool_calls (finish_reason 'tool_calls'), streamed as tool-call deltas without the markup, and the
@@ -590,14 +618,7 @@ def test_tool_calling_end_to_end(url, client):
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     # streamed: the same call as one tool-call delta, no content (the markup is held back)
-    events = sse(f"{url}/v1/chat/completions", dict(body, stream=True))
-    assert events[-1][1] == "[DONE]"
-    chunks = [e for _, e in events[:-1]]
-    for c in chunks:
-        validate_schema(c, "CreateChatCompletionStreamResponse")
-    deltas = [c["choices"][0] for c in chunks]
-    assert "".join(d["delta"].get("content") or "" for d in deltas) == ""
-    calls = [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
+    deltas, calls = _streamed_calls(url, dict(body, stream=True))
     assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == \
         [(0, "get_weather", {"city": "Paris"})]
     assert deltas[-1]["finish_reason"] == "tool_calls"
@@ -617,3 +638,89 @@ def test_tool_calling_end_to_end(url, client):
     # tool_choice "none": the tools are not shown and nothing is parsed
     status, r = post_json(f"{url}/v1/chat/completions", dict(body, tool_choice="none"))
     assert status == 200 and "tool_calls" not in r["choices"][0]["message"]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"]}
+
+
+def test_structured_outputs_end_to_end(url, client):
+    """response_format / structured_outputs / forced tool calls through the real server and model: every
+    reply parses and satisfies its schema, regex or choice; bodies valid against OpenAI's schemas; a
+    constrained request beside unconstrained ones leaves their greedy text unchanged."""
+    import jsonschema
+
+    msgs = [{"role": "user", "content": "Invent a person and describe them as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    status, r = post_json(f"{url}/v1/chat/completions", {"messages": msgs, "response_format": rf, "temperature": 0,
+                                                         "max_tokens": 80})
+    assert status == 200, r
+    validate_schema(r, "CreateChatCompletionResponse")
+    ch = r["choices"][0]
+    assert ch["finish_reason"] == "stop", ch
+    greedy = json.loads(ch["message"]["content"])
+    jsonschema.validate(greedy, PERSON)
+    assert set(greedy) <= {"name", "age"}  # objects are closed unless the schema opens them
+    # sampled, three choices, through the openai client (its `response_format` as a dict)
+    c = client.chat.completions.create(model="smol", messages=msgs, response_format=rf, temperature=1.0, seed=7,
+                                       n=3, max_tokens=80)
+    for choice in c.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    # streamed: the deltas join into the same greedy object
+    chunks = _stream_chunks(url, {"messages": msgs, "response_format": rf, "temperature": 0, "max_tokens": 80,
+                                  "stream": True})
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
+    assert json.loads(text) == greedy and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # any JSON object
+    status, r = post_json(f"{url}/v1/chat/completions", {"messages": msgs, "temperature": 0, "max_tokens": 200,
+                                                         "response_format": {"type": "json_object"}})
+    assert status == 200 and r["choices"][0]["finish_reason"] == "stop", r
+    assert isinstance(json.loads(r["choices"][0]["message"]["content"]), dict)
+    # vLLM's structured_outputs on completions: a choice and a regex
+    status, r = post_json(f"{url}/v1/completions", {"prompt": "Is the sea salty? Answer:", "temperature": 0,
+                                                    "structured_outputs": {"choice": [" yes", " no"]}})
+    assert status == 200 and r["choices"][0]["text"] in (" yes", " no") and r["choices"][0]["finish_reason"] == "stop"
+    validate_schema(r, "CreateCompletionResponse")
+    status, r = post_json(f"{url}/v1/completions", {"prompt": "The date today is", "temperature": 0.7, "seed": 3,
+                                                    "structured_outputs": {"regex": r" 20\d\d-[01]\d-[0-3]\d"}})
+    assert status == 200 and re.fullmatch(r" 20\d\d-[01]\d-[0-3]\d", r["choices"][0]["text"]), r
+    # forced tool calls: a named function and "required", plain and streamed
+    body = {"model": "smol", "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
+            "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 60}
+    params = WEATHER_TOOL["function"]["parameters"]
+    for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        status, r = post_json(f"{url}/v1/chat/completions", dict(body, tool_choice=tool_choice))
+        assert status == 200, r
+        validate_schema(r, "CreateChatCompletionResponse")
+        ch = r["choices"][0]
+        assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None, ch
+        assert ch["message"]["tool_calls"], ch
+        for call in ch["message"]["tool_calls"]:
+            assert call["function"]["name"] == "get_weather"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+        deltas, calls = _streamed_calls(url, dict(body, tool_choice=tool_choice, stream=True))
+        assert [json.loads(tc["function"]["arguments"]) for tc in calls] == \
+            [json.loads(tc["function"]["arguments"]) for tc in ch["message"]["tool_calls"]]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+    # beside constrained requests, an unconstrained greedy reply is the one it gets alone
+    plain = chat_body("Write one sentence about bread.", temperature=0, max_tokens=24)
+    status, alone = post_json(f"{url}/v1/chat/completions", plain)
+    assert status == 200
+
+    async def together():
+        async with aiohttp.ClientSession() as s:
+            async def post(b):
+                async with s.post(f"{url}/v1/chat/completions", json=b) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+            return await asyncio.gather(post(plain), *[post({"messages": msgs, "response_format": rf,
+                                                             "temperature": 0.8, "seed": i, "max_tokens": 80})
+                                                       for i in range(3)])
+
+    mixed, *constrained = asyncio.run(together())
+    assert mixed["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+    for r in constrained:
+        jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), PERSON)
+    assert metrics(url)["jaxserve_engine_step_failures_total"] == 0

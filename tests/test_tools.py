@@ -22,6 +22,11 @@ def test_check_tools():
     assert FUNCS == [{"name": "get_weather", "description": "Weather in a city",
                       "parameters": WEATHER["function"]["parameters"]}]
     assert tools.check_tools([WEATHER], "none") is None and tools.check_tools(None, None) is None
+    # forced calls: the functions stay declared; forced_call says which
+    assert tools.check_tools([WEATHER], "required") == FUNCS and tools.forced_call("required") == "required"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert tools.check_tools([WEATHER], named) == FUNCS and tools.forced_call(named) == "get_weather"
+    assert tools.forced_call("auto") is None and tools.forced_call(None) is None
     f = tools.check_tools([{"type": "function", "function": {"name": "ping"}}], "auto")
     assert f[0]["parameters"] == {"type": "object", "properties": {}}
     bad = [([{"type": "retrieval"}], None, "tools[0]"),
@@ -29,8 +34,9 @@ def test_check_tools():
            ([{"type": "function", "function": {"name": "x", "params": {}}}], None, "tools[0].function"),
            ([{"type": "function", "function": {"name": "x", "parameters": []}}], None, "tools[0].function.parameters"),
            ({"type": "function"}, None, "tools"),
-           ([WEATHER], "required", "tool_choice"),
-           ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice"),
+           ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "tool_choice"),  # not declared
+           ([WEATHER], {"type": "function", "name": "get_weather"}, "tool_choice"),  # Responses API shape
+           ([WEATHER], {"type": "function", "function": {"name": "get_weather", "x": 1}}, "tool_choice"),
            ([WEATHER], "sometimes", "tool_choice"),
            (None, "required", "tool_choice")]
     for t, choice, param in bad:
@@ -130,3 +136,24 @@ def test_templates_render_tools():
     assert text.startswith('[get_weather:{"type": "object"') and text.endswith("<user>Weather in Oslo?")
     prompt = tools.system_prompt(FUNCS)
     assert '"name": "get_weather"' in prompt and "<tool_call>" in prompt and '"required": ["city"]' in prompt
+
+
+def test_parse_forced_calls():
+    # a named function: the reply is its arguments object (compacted when it is valid JSON)
+    [c] = tools.parse_forced('{\n  "city": "Paris"\n}', "get_weather")
+    assert c["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and c["type"] == "function"
+    [c] = tools.parse_forced('{"city": "Par', "get_weather")  # cut by max_tokens: the text as it is
+    assert c["function"]["arguments"] == '{"city": "Par'
+    # "required": a list of {"name", "arguments"}; complete calls before a cut are kept
+    calls = tools.parse_forced('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                               '{"name": "get_weather", "arguments": {"city": "Rome"}}]', "required")
+    assert [_args(c) for c in calls] == [{"city": "Oslo"}, {"city": "Rome"}]
+    assert len({c["id"] for c in calls}) == 2
+    calls = tools.parse_forced('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_w', "required")
+    assert [_args(c) for c in calls] == [{"city": "Oslo"}]
+    assert tools.parse_forced('[{"name": "get', "required") == []
+    # the stream holder sends no content and gives the calls at the end
+    h = tools.ForcedCallHolder("get_weather")
+    assert h.feed('{"city": ') == "" and h.feed('"Lima"}') == ""
+    rest, [c] = h.finish(FUNCS)
+    assert rest == "" and _args(c) == {"city": "Lima"}

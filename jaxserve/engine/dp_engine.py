@@ -177,6 +177,14 @@ class DataParallelEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.replicas[0].validate(prompt_ids, params)
 
+    @property
+    def grammar_compiler(self):
+        """Structured output's compiler, one for all replicas (same tokenizer and vocabulary)."""
+        g = self.replicas[0].grammar_compiler
+        for e in self.replicas[1:]:
+            e._grammar = g
+        return g
+
     def _cached_blocks(self, e: LLMEngine, chain: list[bytes]) -> int:
         """How many leading full blocks of the prompt this replica's prefix cache holds."""
         table = getattr(e.block_manager, "_hash_block", None)

@@ -149,7 +149,13 @@ class GrammarCompiler:
         with self._lock:
             if self._lltok is None:
                 llg = _llguidance()
-                self._lltok = llg.LLTokenizer(self._hf_json, n_vocab=self._n_tok, eos_token=self._eos)
+                try:
+                    self._lltok = llg.LLTokenizer(self._hf_json, n_vocab=self._n_tok, eos_token=self._eos)
+                except Exception as e:  # a tokenizer llguidance cannot read: a clear 400, not a 500
+                    self._lltok = StructuredOutputError(
+                        f"structured output is not available for this model's tokenizer: {e}")
+            if isinstance(self._lltok, Exception):
+                raise self._lltok
             return self._lltok
 
     def matcher(self, spec: StructuredOutput) -> "GrammarMatcher":

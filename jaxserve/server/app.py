@@ -202,9 +202,15 @@ def build_app(state: ServerState) -> web.Application:
 
 def _load_engine(args, ecfg):
     # One device, or tp/dp/multi-host layouts: the same builder as the offline API.
+    from jaxserve.engine.structured import StructuredOutputError
     from jaxserve.parallel.launch import engine_from_args
 
-    return engine_from_args(args, ecfg)
+    engine = engine_from_args(args, ecfg)
+    try:  # structured output's view of the tokenizer (~0.2-2.5 s): now, not in the first such request
+        _ = engine.grammar_compiler.lltokenizer
+    except StructuredOutputError as e:
+        log.warning("%s", e)  # such requests get this as a 400
+    return engine
 
 
 def _in_thread(fn, *a) -> asyncio.Future:

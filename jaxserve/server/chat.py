@@ -27,7 +27,7 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     funcs = tools.check_tools(req.tools, req.tool_choice)
     one_call = req.parallel_tool_calls is False
     forced = tools.forced_call(req.tool_choice) if funcs else None
-    spec = structured.pick(
+    spec = structured.pick(state,
         ("response_format", structured.from_response_format(req.response_format)),
         ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)),
         ("tool_choice", structured.forced_tool_spec(funcs, forced, one_call) if forced else None))

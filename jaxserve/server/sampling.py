@@ -118,7 +118,7 @@ def completion_params(state, req: CompletionRequest) -> tuple[SamplingParams, bo
         raise bad_request(f"max_tokens must be >= 0, got {mt}", "max_tokens")
     discard = mt == 0
     kw = _common(state, req, 1 if discard else mt)
-    kw["structured"] = None if discard else structured.pick(
+    kw["structured"] = None if discard else structured.pick(state,
         ("response_format", structured.from_response_format(req.response_format)),
         ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)))
     if req.best_of is not None and req.best_of != kw["n"]:

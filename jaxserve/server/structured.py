@@ -7,8 +7,8 @@
 * forced tool calls (chat `tool_choice` "required" or {"type": "function", "function": {"name"}}): the
   reply is constrained to the JSON of the call(s) and returned as `tool_calls` (server/tools.py).
 
-Shapes are checked here (400 naming the field); the grammar itself is compiled when the engine
-validates the request (an invalid schema or regex is a 400 from there).
+Shapes are checked here and the grammar is compiled once (`pick`): an invalid schema, regex or
+grammar is a 400 naming the field it came from.
 """
 
 from __future__ import annotations
@@ -100,10 +100,18 @@ def forced_tool_spec(funcs: list[dict], forced: str, one_call: bool) -> Structur
     return _spec("tool_choice", json_schema=schema)
 
 
-def pick(*specs: tuple[str, StructuredOutput | None]) -> StructuredOutput | None:
-    """At most one source of structure per request."""
+def pick(state, *specs: tuple[str, StructuredOutput | None]) -> StructuredOutput | None:
+    """The request's one source of structure (two are a 400), its grammar compiled once here so that
+    an invalid schema, regex or grammar is a 400 naming the field it came from."""
     given = [(name, s) for name, s in specs if s is not None]
     if len(given) > 1:
         raise bad_request(f"{given[0][0]} and {given[1][0]} cannot be combined: both constrain the output",
                           given[1][0])
-    return given[0][1] if given else None
+    if not given:
+        return None
+    name, spec = given[0]
+    try:
+        state.engine.grammar_compiler.matcher(spec)
+    except StructuredOutputError as e:
+        raise bad_request(str(e), name) from None
+    return spec
