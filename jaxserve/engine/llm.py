@@ -72,6 +72,16 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; known: {sorted(_ENGINE_KEYS)}")
         by_id = isinstance(devices, str) or (bool(devices) and isinstance(list(devices)[0], int))
+        from jaxserve.engine.embedder import EmbeddingEngine, is_embedding_model
+
+        if is_embedding_model(model, revision):  # an encoder (BERT, RoBERTa...): `embed` only
+            if (tensor_parallel_size or 1) != 1 or data_parallel_size != 1 or num_nodes != 1:
+                raise ValueError("embedding models run on one device")
+            kw = {k: engine_kwargs[k] for k in ("dtype", "max_model_len") if k in engine_kwargs}
+            self.engine = EmbeddingEngine(model, revision=revision, **kw)
+            self.is_follower, self.tokenizer = False, self.engine.tokenizer
+            self._ids = itertools.count()
+            return
         if (data_parallel_size == 1 and num_nodes == 1 and revision is None and not by_id
                 and tensor_parallel_size is not None):
             self.engine = LLMEngine(model, engine_config=EngineConfig(**engine_kwargs), file=file,
@@ -97,9 +107,25 @@ class LLM:
         self._ids = itertools.count()
         return self
 
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]]):
+        """Sentence embeddings (an embedding model's): float32 numpy [n, dim], one row per input (texts
+        or token-id lists), in order; normalized when the model's pooling config says so."""
+        if not getattr(self.engine, "is_embedding", False):
+            raise ValueError("this model generates text; embeddings need an embedding model (BERT, RoBERTa, "
+                             "XLM-RoBERTa sentence-transformers checkpoints)")
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        ids = [self.engine.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+        return self.engine.embed(ids)
+
+    def _need_generative(self) -> None:
+        if getattr(self.engine, "is_embedding", False):
+            raise ValueError(f"{self.engine.model.name} is an embedding model: use LLM.embed")
+
     def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool):
         from tqdm import tqdm
 
+        self._need_generative()
         if self.is_follower:
             raise RuntimeError("this process was a multi-host follower (node_rank > 0): only rank 0 generates")
 
@@ -162,6 +188,7 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = False) -> list[RequestOutput]:
+        self._need_generative()
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.encode(self.apply_chat_template(c, tools, add_generation_prompt))
                    for c in convs]

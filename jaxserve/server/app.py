@@ -205,6 +205,11 @@ def _load_engine(args, ecfg):
     from jaxserve.engine.structured import StructuredOutputError
     from jaxserve.parallel.launch import engine_from_args
 
+    from jaxserve.engine.embedder import EmbeddingEngine, is_embedding_model
+
+    if is_embedding_model(args.model, getattr(args, "revision", None)):
+        return EmbeddingEngine(args.model, dtype=ecfg.dtype, revision=getattr(args, "revision", None),
+                               max_model_len=getattr(args, "max_model_len", None))
     engine = engine_from_args(args, ecfg)
     try:  # structured output's view of the tokenizer (~0.2-2.5 s): now, not in the first such request
         _ = engine.grammar_compiler.lltokenizer
@@ -276,20 +281,29 @@ async def _main(state: ServerState, bind: tuple, ecfg) -> int:
         await runner.cleanup()
         _cleanup_unix(bind)
         return 2
-    aengine = AsyncEngine(engine, max_queue=max(0, int(getattr(args, "max_queue", 256) or 0)),
-                          on_step=state.metrics.on_step)
-    aengine.start(loop)
-    state.attach(engine, aengine)
-    state.ready = True
-    bs = engine.ecfg.block_size
-    print(f"jaxserve: model {state.model_name} ({engine.model.name}) ready in {time.monotonic() - t0:.1f}s; "
-          f"KV cache {engine.kv_capacity_tokens} tokens ({engine.kv_capacity_tokens // bs} blocks of {bs}); "
-          f"max_model_len {engine.ecfg.max_model_len}; serving on {url}", flush=True)
+    if getattr(engine, "is_embedding", False):
+        aengine = None
+        state.attach(engine, None)
+        state.ready = True
+        print(f"jaxserve: embedding model {state.model_name} ({engine.model.name}) ready in "
+              f"{time.monotonic() - t0:.1f}s; {engine.dim} dimensions, inputs up to {engine.ecfg.max_model_len} "
+              f"tokens; serving /v1/embeddings on {url}", flush=True)
+    else:
+        aengine = AsyncEngine(engine, max_queue=max(0, int(getattr(args, "max_queue", 256) or 0)),
+                              on_step=state.metrics.on_step)
+        aengine.start(loop)
+        state.attach(engine, aengine)
+        state.ready = True
+        bs = engine.ecfg.block_size
+        print(f"jaxserve: model {state.model_name} ({engine.model.name}) ready in {time.monotonic() - t0:.1f}s; "
+              f"KV cache {engine.kv_capacity_tokens} tokens ({engine.kv_capacity_tokens // bs} blocks of {bs}); "
+              f"max_model_len {engine.ecfg.max_model_len}; serving on {url}", flush=True)
 
     await stop_wait
     print("jaxserve: shutting down: finishing in-flight requests", file=sys.stderr, flush=True)
     state.shutting_down = True
-    await aengine.shutdown(_env_float("JAXSERVE_SHUTDOWN_GRACE", 30.0))
+    if aengine is not None:
+        await aengine.shutdown(_env_float("JAXSERVE_SHUTDOWN_GRACE", 30.0))
     await runner.cleanup()
     _cleanup_unix(bind)
     print("jaxserve: stopped", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ log = logging.getLogger("jaxserve.server")
 
 async def chat_completions(request: web.Request, state, body) -> web.StreamResponse:
     req = parse_request(ChatCompletionRequest, body)
+    state.require_generative()
     check_unsupported(req)
     model = state.check_model(req.model)
     if req.stream_options is not None and not req.stream:

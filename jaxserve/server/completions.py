@@ -35,6 +35,7 @@ def _prompt_logprobs(state, c: Choice, builder: CompletionLogprobBuilder) -> dic
 
 async def completions(request: web.Request, state, body) -> web.StreamResponse:
     req = parse_request(CompletionRequest, body)
+    state.require_generative()
     check_unsupported(req)
     model = state.check_model(req.model)
     if req.stream_options is not None and not req.stream:

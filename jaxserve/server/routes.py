@@ -11,6 +11,7 @@ from aiohttp import web
 
 from jaxserve.server.chat import chat_completions
 from jaxserve.server.completions import completions
+from jaxserve.server.embeddings import embeddings
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
                                       parse_request)
@@ -108,6 +109,7 @@ async def detokenize(request: web.Request, state, body) -> web.Response:
 def add_routes(app: web.Application) -> None:
     posts = {"/chat/completions": _json_endpoint(chat_completions),
              "/completions": _json_endpoint(completions),
+             "/embeddings": _json_endpoint(embeddings),
              "/tokenize": _json_endpoint(tokenize),
              "/detokenize": _json_endpoint(detokenize)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics}

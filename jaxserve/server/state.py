@@ -21,7 +21,8 @@ class ServerState:
     def __init__(self, args):
         self.args = args
         self.engine = None  # LLMEngine, once loaded
-        self.aengine = None  # AsyncEngine, once started
+        self.aengine = None  # AsyncEngine, once started (None for an embedding model)
+        self.embedder = None  # server/embeddings.EmbedBatcher when the model is an embedding model
         self.template = None
         self.template_error: str | None = None
         self.ready = False
@@ -49,6 +50,12 @@ class ServerState:
         self.accepted_names |= {n for n in (model_arg, weights, engine.model.name) if n}
         self.accepted_names |= set(self.served_names)
         self.defaults = self._sampling_defaults(engine.model.generation_defaults or {})
+        if getattr(engine, "is_embedding", False):
+            from jaxserve.server.embeddings import EmbedBatcher
+
+            self.embedder = EmbedBatcher(engine)
+            self.template_error = f"`{self.model_name}` is an embedding model: it serves /v1/embeddings only"
+            return
         tok = engine.tokenizer
         try:
             self.template = ChatTemplate(getattr(tok, "chat_template", None), getattr(tok, "bos_token", None),
@@ -82,6 +89,11 @@ class ServerState:
             return name if name in self.served_names else self.model_name
         raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served_names)}",
                        "model", "model_not_found")
+
+    def require_generative(self) -> None:
+        if self.embedder is not None:
+            raise APIError(400, f"the model `{self.model_name}` is an embedding model: it serves /v1/embeddings, "
+                           "not text generation", "model", "model_not_supported")
 
     def require_ready(self) -> None:
         if self.shutting_down:

@@ -1,0 +1,206 @@
+"""Embedding engine: an encoder model (models/bert.py) compiled once per (batch, length) bucket.
+
+No KV cache and no scheduler: `embed(list of token-id lists)` sorts the inputs by length, packs them
+into padded batches whose shapes are among the compiled buckets, and returns one vector per input in
+the caller's order. Every bucket is compiled at construction (the executables are called directly, so
+an unexpected shape is an error, never a silent compile while serving). The server batches
+concurrent requests into one `embed` call (server/embeddings.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.models import bert
+
+log = logging.getLogger(__name__)
+
+MIN_LEN_BUCKET = 16
+BATCH_BUCKETS = (1, 4, 16, 64)
+
+
+def is_embedding_model(model: str | None, revision: str | None = None) -> bool:
+    """Whether `model` (a local directory or a Hub id) is an encoder this engine embeds with. Anything
+    that does not resolve says False: the generative path then reports the problem."""
+    if not model or model.startswith("random:") or model.endswith(".gguf"):
+        return False
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return bert.is_encoder_dir(path)
+    if path.exists():
+        return False
+    try:
+        from jaxserve.loader import source
+
+        return bert.is_encoder_dir(source.resolve_model(model, revision=revision).model_dir)
+    except Exception:
+        return False
+
+
+class EmbeddingInputError(ValueError):
+    """An input this model cannot embed (empty, too long, out-of-vocabulary ids): the caller's fault."""
+
+    def __init__(self, message: str, param: str | None = "input"):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class _Model:
+    """What the server reads of a loaded model (LoadedModel's fields that apply)."""
+    name: str
+    generation_defaults: dict | None = None
+
+
+@dataclass(frozen=True)
+class _Limits:
+    max_model_len: int
+
+
+class EncoderTokenizer:
+    """The checkpoint's tokenizer.json with its special-token template ([CLS] ... [SEP], <s> ... </s>)
+    and without the padding/truncation it may carry."""
+
+    chat_template = None
+    bos_token = eos_token = None
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.backend = Tokenizer.from_file(str(path))
+        self.backend.no_padding()
+        self.backend.no_truncation()
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=True)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(int(i))
+
+
+def length_buckets(max_len: int) -> list[int]:
+    out, t = [], MIN_LEN_BUCKET
+    while t < max_len:
+        out.append(t)
+        t *= 2
+    return out + [max_len]
+
+
+class EmbeddingEngine:
+    """Load an encoder model (a local directory or a Hub id of BERT / RoBERTa / XLM-RoBERTa safetensors),
+    compile its buckets, and embed token-id lists. max_batch_tokens bounds a batch's padded size."""
+
+    is_embedding = True
+
+    def __init__(self, model: str, *, dtype: str = "float32", max_batch_tokens: int = 8192,
+                 max_model_len: int | None = None, warmup: bool = True, revision: str | None = None):
+        import jax
+        import jax.numpy as jnp
+
+        from jaxserve.loader import source
+
+        t0 = time.perf_counter()
+        res = source.resolve_model(model, revision=revision)
+        d = res.model_dir
+        self.cfg = bert.config_from_dir(d)
+        if max_model_len is not None:
+            if max_model_len > self.cfg.max_seq_len:
+                raise ValueError(f"max_model_len {max_model_len} exceeds the model's {self.cfg.max_seq_len} tokens")
+            self.cfg = dataclasses.replace(self.cfg, max_seq_len=int(max_model_len))
+        tok_file = (res.tokenizer_dir or d) / "tokenizer.json"
+        if not tok_file.is_file():
+            raise bert.EncoderConfigError(f"{d}: an embedding model needs tokenizer.json")
+        self.tokenizer = EncoderTokenizer(tok_file)
+        self.model = _Model(name=model)
+        self.ecfg = _Limits(self.cfg.max_seq_len)
+        self.dim = self.cfg.hidden_size
+        self.weights = jax.device_put(jax.tree.map(jnp.asarray, bert.load_weights(d, self.cfg, np.dtype(dtype))))
+        self.load_seconds = time.perf_counter() - t0
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.buckets = [(b, t) for t in length_buckets(self.cfg.max_seq_len) for b in BATCH_BUCKETS
+                        if b == 1 or b * t <= self.max_batch_tokens]
+        self._fn = jax.jit(lambda w, ids, mask: bert.embed(self.cfg, w, ids, mask))
+        self._exe: dict[tuple[int, int], object] = {}
+        self.num_batches = 0
+        if warmup:
+            self.warmup()
+
+    # ------------------------------------------------------------------ programs
+    def _compile(self, key):
+        import jax
+
+        B, T = key
+        spec = jax.ShapeDtypeStruct((B, T), np.int32)
+        return self._fn.lower(self.weights, spec, spec).compile()
+
+    def warmup(self) -> None:
+        t = time.perf_counter()
+        for key in self.buckets:
+            if key not in self._exe:
+                self._exe[key] = self._compile(key)
+        log.info("embedding programs: %d compiled in %.1fs", len(self._exe), time.perf_counter() - t)
+
+    def num_compiled(self) -> int:
+        return len(self._exe)
+
+    # ------------------------------------------------------------------ inputs
+    def check(self, ids: list[int], where: str = "input") -> None:
+        if not ids:
+            raise EmbeddingInputError(f"{where} is empty", where)
+        if len(ids) > self.cfg.max_seq_len:
+            raise EmbeddingInputError(f"{where} has {len(ids)} tokens; this model embeds at most "
+                                      f"{self.cfg.max_seq_len}", where)
+        bad = [t for t in ids if not 0 <= int(t) < self.cfg.vocab_size]
+        if bad:
+            raise EmbeddingInputError(f"{where}: token id {bad[0]} is out of range [0, {self.cfg.vocab_size})", where)
+
+    def _bucket(self, n: int, T: int) -> tuple[int, int]:
+        t = next(t for t in length_buckets(self.cfg.max_seq_len) if t >= T)
+        return next(((b, tt) for b, tt in self.buckets if tt == t and b >= n), None) or \
+            max(((b, tt) for b, tt in self.buckets if tt == t), key=lambda k: k[0])
+
+    # ------------------------------------------------------------------ embedding
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """float32 [len(inputs), dim], row i for inputs[i]. Inputs are checked first (EmbeddingInputError)."""
+        for i, ids in enumerate(inputs):
+            self.check(ids, f"input[{i}]" if len(inputs) > 1 else "input")
+        out = np.zeros((len(inputs), self.dim), np.float32)
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        pos = 0
+        while pos < len(order):
+            # the longest remaining input fixes the length bucket; as many as that bucket's largest batch holds
+            B, T = self._bucket(len(order) - pos, len(inputs[order[pos]]))
+            rows = order[pos:pos + B]
+            pos += len(rows)
+            ids = np.zeros((B, T), np.int32)
+            mask = np.zeros((B, T), np.int32)
+            for r, i in enumerate(rows):
+                ids[r, :len(inputs[i])] = inputs[i]
+                mask[r, :len(inputs[i])] = 1
+            mask[len(rows):, 0] = 1  # padding rows: one visible token, so no row is all masked
+            exe = self._exe.get((B, T))
+            if exe is None:  # warmup=False: compile on first use (offline scripts that skip warm-up)
+                exe = self._exe[(B, T)] = self._compile((B, T))
+            vecs = np.asarray(exe(self.weights, ids, mask))
+            out[rows] = vecs[:len(rows)]
+            self.num_batches += 1
+        return out
+
+    def embed_texts(self, texts: list[str]) -> np.ndarray:
+        return self.embed(self.tokenizer.encode_batch(list(texts)))
+
+    def stats(self) -> dict:
+        return {"num_batches": self.num_batches}

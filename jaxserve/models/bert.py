@@ -1,0 +1,249 @@
+"""Encoder (embedding) models: BERT, RoBERTa, XLM-RoBERTa — config, weights and a pure forward.
+
+These are the sentence-embedding models (all-MiniLM, bge, e5, gte, multilingual-e5...) behind
+`/v1/embeddings`: bidirectional attention over one padded batch, no KV cache, then the pooling that
+the checkpoint's sentence-transformers files name (mean / CLS / max / last token) and, when they ask
+for it, L2 normalisation. The forward is a pure function of a weights pytree (layers stacked on a
+leading axis and run by lax.scan), jit-compiled once per (batch, length) bucket by engine/embedder.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+POOLING = ("mean", "cls", "max", "lasttoken")
+_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
+
+
+class EncoderConfigError(ValueError):
+    """A config.json or checkpoint this encoder cannot run (one line naming what)."""
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    pad_token_id: int
+    pooling: str = "mean"
+    normalize: bool = True
+    max_seq_len: int = 512  # longest input (tokens, special ones included)
+
+    @property
+    def position_offset(self) -> int:
+        """RoBERTa numbers positions from pad_token_id + 1 (padding sits at pad_token_id)."""
+        return self.pad_token_id + 1 if self.model_type != "bert" else 0
+
+
+def is_encoder_dir(d: Path) -> bool:
+    cfg = Path(d) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("model_type") in ENCODER_TYPES
+    except (OSError, ValueError):
+        return False
+
+
+def _pooling(d: Path) -> tuple[str, bool]:
+    """(pooling, normalize) from sentence-transformers' modules.json / pooling config; without them
+    mean pooling, normalized (what OpenAI's embeddings are)."""
+    modules = d / "modules.json"
+    if not modules.is_file():
+        return "mean", True
+    mods = json.loads(modules.read_text())
+    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in mods)
+    pool = next((m for m in mods if str(m.get("type", "")).endswith("Pooling")), None)
+    if pool is None:
+        return "cls", normalize
+    pcfg = json.loads((d / pool.get("path", "") / "config.json").read_text())
+    for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
+                      ("pooling_mode_max_tokens", "max"), ("pooling_mode_lasttoken", "lasttoken")):
+        if pcfg.get(key):
+            return name, normalize
+    raise EncoderConfigError(f"{pool.get('path')}/config.json: no pooling mode this server implements "
+                             f"({', '.join(POOLING)})")
+
+
+def config_from_dir(d: str | Path) -> EncoderConfig:
+    d = Path(d)
+    c = json.loads((d / "config.json").read_text())
+    mt = c.get("model_type")
+    if mt not in ENCODER_TYPES:
+        raise EncoderConfigError(f"{d}/config.json: model_type {mt!r} is not an encoder ({', '.join(ENCODER_TYPES)})")
+    if c.get("position_embedding_type", "absolute") != "absolute":
+        raise EncoderConfigError(f"position_embedding_type {c['position_embedding_type']!r} is not supported")
+    act = c.get("hidden_act", "gelu")
+    if act not in _ACTS:
+        raise EncoderConfigError(f"hidden_act {act!r} is not supported ({', '.join(_ACTS)})")
+    pooling, normalize = _pooling(d)
+    pad = int(c.get("pad_token_id", 0) or 0)
+    max_pos = int(c["max_position_embeddings"])
+    max_len = max_pos - (pad + 1 if mt != "bert" else 0)
+    st = d / "sentence_bert_config.json"
+    if st.is_file():
+        max_len = min(max_len, int(json.loads(st.read_text()).get("max_seq_length") or max_len))
+    return EncoderConfig(model_type=mt, vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+                         num_layers=int(c["num_hidden_layers"]), num_heads=int(c["num_attention_heads"]),
+                         intermediate_size=int(c["intermediate_size"]), max_position_embeddings=max_pos,
+                         type_vocab_size=int(c.get("type_vocab_size", 2)),
+                         layer_norm_eps=float(c.get("layer_norm_eps", 1e-12)), hidden_act=act, pad_token_id=pad,
+                         pooling=pooling, normalize=normalize, max_seq_len=max_len)
+
+
+# checkpoint name (after the model prefix) -> (our name, is a matrix stored [out, in])
+_LAYER = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.value": "v",
+          "attention.output.dense": "o", "attention.output.LayerNorm": "ln1", "intermediate.dense": "up",
+          "output.dense": "down", "output.LayerNorm": "ln2"}
+
+
+def load_weights(d: str | Path, cfg: EncoderConfig, dtype=np.float32) -> dict:
+    """The weights pytree (numpy): emb {word, pos, type, ln_w, ln_b}; layers {name: [L, ...]} with
+    matrices as [in, out]. Accepts the bare encoder's names and those under a task head's prefix
+    ("bert.", "roberta."), and the old LayerNorm gamma/beta names; a missing tensor is an error."""
+    from safetensors import safe_open
+
+    d = Path(d)
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise EncoderConfigError(f"{d}: no .safetensors weights")
+    raw = {}
+    for f in files:
+        with safe_open(str(f), "np") as fh:
+            for k in fh.keys():
+                name = k
+                for prefix in ("bert.", "roberta.", "model."):
+                    if name.startswith(prefix):
+                        name = name[len(prefix):]
+                name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+                raw[name] = fh.get_tensor(k)
+
+    def get(name):
+        if name not in raw:
+            raise EncoderConfigError(f"{d}: tensor {name!r} is missing from the checkpoint")
+        return raw[name].astype(dtype)
+
+    emb = {"word": get("embeddings.word_embeddings.weight"), "pos": get("embeddings.position_embeddings.weight"),
+           "type": get("embeddings.token_type_embeddings.weight")[0],  # one segment: token_type_ids are 0
+           "ln_w": get("embeddings.LayerNorm.weight"), "ln_b": get("embeddings.LayerNorm.bias")}
+    if emb["word"].shape != (cfg.vocab_size, cfg.hidden_size):
+        raise EncoderConfigError(f"word embeddings are {emb['word'].shape}, config says "
+                                 f"{(cfg.vocab_size, cfg.hidden_size)}")
+    layers: dict[str, list] = {}
+    for i in range(cfg.num_layers):
+        for src, ours in _LAYER.items():
+            p = f"encoder.layer.{i}.{src}"
+            if ours.startswith("ln"):
+                layers.setdefault(ours + "_w", []).append(get(p + ".weight"))
+                layers.setdefault(ours + "_b", []).append(get(p + ".bias"))
+            else:
+                layers.setdefault(ours + "_w", []).append(get(p + ".weight").T)
+                layers.setdefault(ours + "_b", []).append(get(p + ".bias"))
+    return {"emb": emb, "layers": {k: np.stack(v) for k, v in layers.items()}}
+
+
+def random_weights(cfg: EncoderConfig, seed: int = 0, dtype=np.float32) -> dict:
+    """Random weights of cfg's shapes (benchmarks)."""
+    rng = np.random.default_rng(seed)
+    H, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    r = lambda *s: (rng.standard_normal(s) * 0.02).astype(dtype)
+    emb = {"word": r(cfg.vocab_size, H), "pos": r(cfg.max_position_embeddings, H), "type": r(H),
+           "ln_w": np.ones(H, dtype), "ln_b": np.zeros(H, dtype)}
+    layers = {"q_w": r(L, H, H), "k_w": r(L, H, H), "v_w": r(L, H, H), "o_w": r(L, H, H), "up_w": r(L, H, F),
+              "down_w": r(L, F, H), "ln1_w": np.ones((L, H), dtype), "ln2_w": np.ones((L, H), dtype)}
+    for k in ("q", "k", "v", "o", "down", "ln1", "ln2"):
+        layers[k + "_b"] = np.zeros((L, H), dtype)
+    layers["up_b"] = np.zeros((L, F), dtype)
+    return {"emb": emb, "layers": layers}
+
+
+# ----------------------------------------------------------------------------------------- forward
+
+def _act(name):
+    import jax
+
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)  # HF "gelu" is the exact erf form
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return jax.nn.relu if name == "relu" else jax.nn.silu
+
+
+def _ln(x, w, b, eps):
+    import jax.numpy as jnp
+
+    m = jnp.mean(x, axis=-1, keepdims=True)
+    v = jnp.mean(jnp.square(x - m), axis=-1, keepdims=True)
+    return (x - m) * (1.0 / jnp.sqrt(v + eps)) * w + b
+
+
+def encode(cfg: EncoderConfig, weights: dict, ids, mask):
+    """Token states [B, T, H] (f32) of ids [B, T] int32 with mask [B, T] (1 = token, 0 = padding;
+    padding at the end of each row)."""
+    import jax
+    import jax.numpy as jnp
+
+    e = weights["emb"]
+    f32 = lambda a: a.astype(jnp.float32)
+    B, T = ids.shape
+    if cfg.position_offset:  # RoBERTa: positions count real tokens from pad_token_id + 1
+        pos = jnp.cumsum(mask, axis=1) * mask + cfg.pad_token_id
+    else:
+        pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    x = f32(e["word"][ids]) + f32(e["pos"][pos]) + f32(e["type"])
+    x = _ln(x, f32(e["ln_w"]), f32(e["ln_b"]), cfg.layer_norm_eps)
+    nh, hd = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+    bias = jnp.where(mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)  # [B, 1, 1, T] keys
+    act = _act(cfg.hidden_act)
+    dt = weights["layers"]["q_w"].dtype
+
+    def lin(h, w, b):
+        return jnp.dot(h.astype(dt), w, preferred_element_type=jnp.float32) + f32(b)
+
+    def layer(x, w):
+        q, k, v = (lin(x, w[n + "_w"], w[n + "_b"]).reshape(B, T, nh, hd) for n in ("q", "k", "v"))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / np.sqrt(hd)) + bias
+        p = jax.nn.softmax(s, axis=-1)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(B, T, nh * hd)
+        a = _ln(lin(ctx, w["o_w"], w["o_b"]) + x, f32(w["ln1_w"]), f32(w["ln1_b"]), cfg.layer_norm_eps)
+        h = act(lin(a, w["up_w"], w["up_b"]))
+        return _ln(lin(h, w["down_w"], w["down_b"]) + a, f32(w["ln2_w"]), f32(w["ln2_b"]), cfg.layer_norm_eps), None
+
+    x, _ = jax.lax.scan(layer, x, weights["layers"])
+    return x
+
+
+def pool(cfg: EncoderConfig, states, mask):
+    """One vector per row [B, H] (f32): the configured pooling, then L2 normalisation if asked."""
+    import jax.numpy as jnp
+
+    m = mask.astype(jnp.float32)[:, :, None]
+    if cfg.pooling == "mean":
+        v = jnp.sum(states * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1e-9)
+    elif cfg.pooling == "cls":
+        v = states[:, 0]
+    elif cfg.pooling == "max":
+        v = jnp.max(jnp.where(m > 0, states, -1e9), axis=1)
+    else:  # last real token
+        last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
+        v = jnp.take_along_axis(states, last[:, None, None], axis=1)[:, 0]
+    if cfg.normalize:
+        v = v / jnp.maximum(jnp.linalg.norm(v, axis=-1, keepdims=True), 1e-12)
+    return v
+
+
+def embed(cfg: EncoderConfig, weights: dict, ids, mask):
+    """Sentence embeddings [B, H] of a padded batch: encode, then pool."""
+    return pool(cfg, encode(cfg, weights, ids, mask), mask)
