@@ -191,7 +191,17 @@ SERVER_CONFIGS = {
                  args=["--max-model-len", "512", "--max-num-seqs", "4", "--prefill-chunk-size", "64",
                        "--mem", "10", "--block-size", "16", "--api-key", "sekrit", "--disable-prefix-cache",
                        "--cors-origins", "http://app.example"]),
+    # an embedding model (all-MiniLM-L6-v2): /v1/embeddings
+    "embed": dict(used_by=("test_embeddings",),
+                  args=lambda: ["--model", str(_minilm()), "--served-model-name", "minilm"]),
 }
+
+
+def _minilm():
+    from jaxserve.loader.pip_models import ensure_minilm
+
+    return ensure_minilm()
+
 
 _servers: dict[str, ServerProc] = {}
 
@@ -203,7 +213,8 @@ def _launch(names) -> None:
             host = None
             if cfg.get("unix"):
                 host = "unix://" + os.path.join(tempfile.mkdtemp(prefix="jaxserve-sock-"), "s.sock")
-            _servers[name] = ServerProc(name, cfg["args"], host)
+            args = cfg["args"]() if callable(cfg["args"]) else cfg["args"]
+            _servers[name] = ServerProc(name, args, host)
 
 
 @pytest.fixture(scope="session")

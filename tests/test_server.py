@@ -724,3 +724,9 @@ def test_structured_outputs_end_to_end(url, client):
     for r in constrained:
         jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), PERSON)
     assert metrics(url)["jaxserve_engine_step_failures_total"] == 0
+
+
+def test_embeddings_on_a_generative_model_is_400(url):
+    status, err = post_json(f"{url}/v1/embeddings", {"input": "hello"})
+    assert status == 400 and err["error"]["code"] == "model_not_supported" and err["error"]["param"] == "model"
+    validate_schema(err, "ErrorResponse")

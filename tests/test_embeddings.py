@@ -1,0 +1,180 @@
+"""Embeddings: encoder models against Hugging Face transformers (the real all-MiniLM-L6-v2 and tiny
+random BERT / RoBERTa / XLM-RoBERTa with each pooling mode), the engine's buckets (no compile after
+warm-up, inputs in order), and POST /v1/embeddings end to end on a real server."""
+
+import asyncio
+import base64
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from conftest import get_json, post_json, validate_schema
+from jaxserve import LLM
+from jaxserve.engine.embedder import EmbeddingEngine, EmbeddingInputError, is_embedding_model, length_buckets
+from jaxserve.loader.pip_models import ensure_minilm
+from model_files import smollm2_gguf
+
+TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+         "hi", "Paris is the capital and most populous city of France, on the Seine. " * 6,
+         "def add(a, b):\n    return a + b", "¿Dónde está la biblioteca? 東京は日本の首都です。"]
+
+_compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **k: _compiles.append(name) if "backend_compile" in name else None)
+
+
+def _hf_pool(states: torch.Tensor, mode: str, normalize: bool) -> np.ndarray:
+    """sentence-transformers' pooling of one unpadded row [T, H]."""
+    v = {"mean": states.mean(0), "cls": states[0], "max": states.max(0).values, "lasttoken": states[-1]}[mode]
+    if normalize:
+        v = torch.nn.functional.normalize(v, dim=-1)
+    return v.numpy()
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return LLM(str(ensure_minilm()))
+
+
+def test_minilm_matches_transformers(minilm):
+    from transformers import AutoModel
+
+    got = minilm.embed(TEXTS)
+    assert got.shape == (len(TEXTS), 384) and got.dtype == np.float32
+    hf = AutoModel.from_pretrained(str(ensure_minilm())).eval()
+    for text, v in zip(TEXTS, got):
+        ids = minilm.tokenizer.encode(text)
+        assert ids[0] == 101 and ids[-1] == 102  # [CLS] ... [SEP]
+        with torch.no_grad():
+            states = hf(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        np.testing.assert_allclose(v, _hf_pool(states, "mean", True), atol=2e-6)
+    # the model's known behaviour: the two sentences about eating are close, the third is not
+    sim = got[:3] @ got[:3].T
+    assert sim[0, 1] > 0.7 > 0.0 > sim[0, 2]
+
+
+def test_buckets_order_and_no_compiles(minilm):
+    eng = minilm.engine
+    assert eng.num_compiled() == len(eng.buckets) and length_buckets(256) == [16, 32, 64, 128, 256]
+    rng = np.random.default_rng(0)
+    many = [rng.integers(1000, 30000, size=int(n)).tolist() for n in rng.integers(1, 257, size=150)]
+    n = len(_compiles)
+    out = eng.embed(many)
+    assert len(_compiles) == n, "compiled while embedding"
+    # each row is the input's own embedding, whatever batch and padding it went through
+    for i in (0, 7, 149):
+        np.testing.assert_allclose(out[i], eng.embed([many[i]])[0], atol=2e-6)
+    with pytest.raises(EmbeddingInputError, match="256"):
+        eng.embed([[101] * 257])
+    with pytest.raises(EmbeddingInputError, match="empty"):
+        eng.embed([[101], []])
+    with pytest.raises(EmbeddingInputError, match="out of range"):
+        eng.embed([[30522]])
+    with pytest.raises(ValueError, match="embedding model"):
+        minilm.generate("hello")
+    assert is_embedding_model(str(ensure_minilm())) and not is_embedding_model(str(smollm2_gguf()))
+    assert not is_embedding_model(None)
+
+
+@pytest.mark.parametrize("family,pooling,normalize", [("bert", "cls", False), ("roberta", "max", True),
+                                                      ("xlm-roberta", "lasttoken", False)])
+def test_tiny_encoders_match_transformers(tmp_path, family, pooling, normalize):
+    from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel, XLMRobertaConfig, XLMRobertaModel
+
+    cls_cfg, cls_model = {"bert": (BertConfig, BertModel), "roberta": (RobertaConfig, RobertaModel),
+                          "xlm-roberta": (XLMRobertaConfig, XLMRobertaModel)}[family]
+    kw = dict(vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+              max_position_embeddings=70, hidden_act="gelu_new" if family == "xlm-roberta" else "gelu")
+    if family != "bert":
+        kw.update(pad_token_id=1, type_vocab_size=1)
+    torch.manual_seed(0)
+    model = cls_model(cls_cfg(**kw), add_pooling_layer=False).eval()
+    with torch.no_grad():  # random LayerNorm parameters, so that a mix-up of weights shows
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(ensure_minilm() / "tokenizer.json", tmp_path / "tokenizer.json")
+    mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (tmp_path / "modules.json").write_text(json.dumps(mods))
+    (tmp_path / "1_Pooling").mkdir()
+    key = {"cls": "cls_token", "max": "max_tokens", "mean": "mean_tokens", "lasttoken": "lasttoken"}[pooling]
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 48,
+                                                                    f"pooling_mode_{key}": True}))
+    eng = EmbeddingEngine(str(tmp_path), warmup=False)
+    want_len = 70 - (2 if family != "bert" else 0)  # RoBERTa positions start after the padding index
+    assert eng.cfg.max_seq_len == want_len and eng.cfg.pooling == pooling and eng.cfg.normalize == normalize
+    rng = np.random.default_rng(1)
+    inputs = [rng.integers(5, 30522, size=int(n)).tolist() for n in (1, 3, 17, 40, want_len)]
+    got = eng.embed(inputs)
+    for ids, v in zip(inputs, got):
+        with torch.no_grad():
+            states = model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        np.testing.assert_allclose(v, _hf_pool(states, pooling, normalize), atol=3e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- server
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory("embed")
+
+
+def test_embeddings_endpoint(server, minilm):
+    import openai
+
+    url = server.url
+    status, r = post_json(f"{url}/v1/embeddings", {"model": "minilm", "input": TEXTS[:3]})
+    assert status == 200, r
+    validate_schema(r, "CreateEmbeddingResponse")
+    assert [d["index"] for d in r["data"]] == [0, 1, 2] and r["model"] == "minilm"
+    want = minilm.embed(TEXTS[:3])
+    np.testing.assert_allclose(np.array([d["embedding"] for d in r["data"]]), want, atol=1e-6)
+    n_tokens = sum(len(minilm.tokenizer.encode(t)) for t in TEXTS[:3])
+    assert r["usage"] == {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
+    # base64 (the openai client's default) decodes to the same float32 vectors
+    status, r = post_json(f"{url}/embeddings", {"input": TEXTS[3], "encoding_format": "base64"})
+    assert status == 200
+    v = np.frombuffer(base64.b64decode(r["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(v, minilm.embed(TEXTS[3])[0], atol=1e-6)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    e = client.embeddings.create(model="minilm", input=TEXTS[:2])
+    np.testing.assert_allclose(np.array([d.embedding for d in e.data]), want[:2], atol=1e-6)
+    e = client.embeddings.create(model="minilm", input=[minilm.tokenizer.encode(t) for t in TEXTS[1:3]])
+    np.testing.assert_allclose(np.array([d.embedding for d in e.data]), want[1:3], atol=1e-6)
+    # concurrent requests are batched together and each gets its own vectors
+    import aiohttp
+
+    async def many():
+        async with aiohttp.ClientSession() as s:
+            async def one(i):
+                async with s.post(f"{url}/v1/embeddings", json={"input": [TEXTS[i % 7], TEXTS[(i + 3) % 7]]}) as resp:
+                    assert resp.status == 200
+                    return await resp.json()
+            return await asyncio.gather(*[one(i) for i in range(24)])
+
+    all_vecs = minilm.embed(TEXTS)
+    for i, r in enumerate(asyncio.run(many())):
+        got = np.array([d["embedding"] for d in r["data"]])
+        np.testing.assert_allclose(got, all_vecs[[i % 7, (i + 3) % 7]], atol=1e-6)
+    # bad inputs: 400 with OpenAI's error shape, the server keeps serving
+    for body, param in [({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [[101] * 300]}, "input"),
+                        ({"input": [[1, 2], [40000]]}, "input"), ({"input": ["x", [101]]}, "input"), ({"input": "x", "dimensions": 12}, "dimensions"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": "x", "inputs": "x"}, "inputs"), ({"inputs": "x"}, "input"),
+                        ({"input": ["x"] * 2049}, "input"), ({"input": "x", "model": "other"}, "model")]:
+        status, err = post_json(f"{url}/v1/embeddings", body)
+        assert status in (400, 404), (body, status, err)
+        validate_schema(err, "ErrorResponse")
+        assert err["error"]["param"] == param, (body, err)
+    status, err = post_json(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and err["error"]["code"] == "model_not_supported"
+    status, models = get_json(f"{url}/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "minilm" and models["data"][0]["max_model_len"] == 256
+    assert get_json(f"{url}/health")[0] == 200
