@@ -5,6 +5,7 @@ warm-up, inputs in order), and POST /v1/embeddings end to end on a real server."
 import asyncio
 import base64
 import json
+import re
 import shutil
 
 import jax
@@ -178,3 +179,8 @@ def test_embeddings_endpoint(server, minilm):
     status, models = get_json(f"{url}/v1/models")
     assert status == 200 and models["data"][0]["id"] == "minilm" and models["data"][0]["max_model_len"] == 256
     assert get_json(f"{url}/health")[0] == 200
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    assert "jaxserve_ready 1.0" in text
+    assert float(re.search(r"^jaxserve_prompt_tokens_total (\S+)", text, re.M).group(1)) >= n_tokens

@@ -704,6 +704,14 @@ def test_structured_outputs_end_to_end(url, client):
         assert [json.loads(tc["function"]["arguments"]) for tc in calls] == \
             [json.loads(tc["function"]["arguments"]) for tc in ch["message"]["tool_calls"]]
         assert deltas[-1]["finish_reason"] == "tool_calls"
+    # a forced call cut by max_tokens says "length" (its arguments are incomplete), plain and streamed
+    named = dict(body, tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=3)
+    status, r = post_json(f"{url}/v1/chat/completions", named)
+    assert status == 200 and r["choices"][0]["finish_reason"] == "length", r
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["function"]["arguments"].startswith("{")
+    deltas, calls = _streamed_calls(url, dict(named, stream=True))
+    assert deltas[-1]["finish_reason"] == "length" and len(calls) == 1
     # beside constrained requests, an unconstrained greedy reply is the one it gets alone
     plain = chat_body("Write one sentence about bread.", temperature=0, max_tokens=24)
     status, alone = post_json(f"{url}/v1/chat/completions", plain)

@@ -125,6 +125,8 @@ def test_json_schema_walk_and_refusals(tok, compiler):
 def test_sampling_tensor_mask_layout(compiler):
     m = compiler.matcher(StructuredOutput(choice=["a", "b"]))
     V = compiler.vocab_size
+    st = build_sampling_tensors([SamplingParams(), SamplingParams()], 3, [1, 2], vocab_size=V)
+    assert st["constrained"].tolist() == [False] * 3 and "allowed" not in st  # the runner's device copy
     st = build_sampling_tensors([SamplingParams(), SamplingParams()], 3, [1, 2], vocab_size=V,
                                 masks=[None, m.mask()])
     W = mask_words(V)
@@ -158,7 +160,8 @@ def test_sampler_applies_the_mask():
     constrained = [True, True, True, True, False, False]
     st = build_sampling_tensors(params, S, [p.seed or 0 for p in params], vocab_size=V,
                                 masks=[mk if c else None for mk, c in zip(masks, constrained)])
-    plain = build_sampling_tensors(params, S, [p.seed or 0 for p in params])
+    plain = build_sampling_tensors(params, S, [p.seed or 0 for p in params], vocab_size=V)
+    plain["allowed"] = np.full((S, W), 0xFFFFFFFF, np.uint32)  # what the runner passes: no row constrained
     counts = jnp.zeros((S, V), jnp.int32)
     pm = jnp.zeros((S, V), bool)
     for pos in range(5):
@@ -230,3 +233,77 @@ def test_grammar_end_and_an_impossible_token(tok, compiler):
     sched.add(b)
     drain(sched, runner, eos=lambda t: t in tok.eos_token_ids)
     assert b.output_token_ids == [] and b.finish_reason == FinishReason.STOP
+
+
+def _walk(compiler, tok, spec, text) -> bool:
+    m = compiler.matcher(spec)
+    return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False)) and m.done
+
+
+def test_forced_tool_schemas(tok, compiler):
+    from jaxserve.server.structured import forced_tool_spec
+
+    # Pydantic-style parameters with $defs: references still resolve inside the combined "required" schema
+    trip = {"name": "book", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}
+    ping = {"name": "ping", "parameters": {"type": "object", "properties": {}}}
+    loose = {"name": "loose", "parameters": {"properties": {"n": {"type": "integer"}}}}  # no "type"
+    funcs = [trip, ping, loose]
+    req = forced_tool_spec(funcs, "required", one_call=False)
+    assert _walk(compiler, tok, req, '[{"name": "book", "arguments": {"to": {"city": "Oslo"}}}, '
+                                     '{"name": "ping", "arguments": {}}]')
+    assert not _walk(compiler, tok, req, '[{"name": "book", "arguments": {"to": {"town": "Oslo"}}}]')
+    assert not _walk(compiler, tok, req, '[{"name": "ping", "arguments": {"x": 1}}]')  # no invented keys
+    assert not _walk(compiler, tok, req, '[{"name": "loose", "arguments": 5}]')  # arguments: an object
+    assert not _walk(compiler, tok, req, '[]')
+    one = forced_tool_spec(funcs, "required", one_call=True)
+    assert not _walk(compiler, tok, one, '[{"name": "ping", "arguments": {}}, {"name": "ping", "arguments": {}}]')
+    # a named function: its arguments object, references resolved in place
+    assert _walk(compiler, tok, forced_tool_spec(funcs, "book", False), '{"to": {"city": "Rome"}}')
+    assert _walk(compiler, tok, forced_tool_spec(funcs, "ping", False), '{}')
+    assert not _walk(compiler, tok, forced_tool_spec(funcs, "loose", False), '7')
+
+
+def test_compiled_grammars_are_reused_and_bad_input_is_an_error(tok, compiler):
+    import time
+
+    big = StructuredOutput(choice=[f"option number {i}" for i in range(5000)])  # > the parser's 2000 items a row
+    t = time.perf_counter()
+    a = compiler.matcher(big)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    b = compiler.matcher(big)
+    assert time.perf_counter() - t < first / 3  # a copy of the compiled grammar
+    assert all(a.accept(t) for t in tok.encode("option number 432", add_special_tokens=False)), a.error
+    assert allowed(b.mask()) != allowed(a.mask())  # copies do not share state
+    assert not a.done and set(tok.eos_token_ids) <= allowed(a.mask())  # "...432" or "...4320" to "...4329"
+    deep = {"type": "object"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for bad in [dict(regex="\ud800"), dict(json_schema=deep)]:
+        with pytest.raises(StructuredOutputError):
+            compiler.matcher(StructuredOutput(**bad))
+    # a schema's own whitespace option does not lift the bound
+    spec = StructuredOutput(json_schema={"type": "object", "properties": {},
+                                         "x-guidance": {"whitespace_pattern": "[ ]*"}})
+    assert not _walk(compiler, tok, spec, "{" + " " * 60 + "}")
+
+
+def test_multihost_step_message_leaves_out_an_all_ones_mask(compiler):
+    from jaxserve.parallel.multihost import _pack_step, _unpack_step
+
+    V = compiler.vocab_size
+    ones = lambda S: np.full((S, mask_words(V)), 0xFFFFFFFF, np.uint32)
+    st = build_sampling_tensors([SamplingParams()], 4, [1], vocab_size=V)
+    inp = {"st": dict(st, allowed=ones(4)), "token_ids": np.arange(4)}
+    packed = _pack_step(inp)
+    assert packed["st"]["allowed"] == ("ones", (4, mask_words(V)))
+    back = _unpack_step(packed, ones)
+    assert (back["st"]["allowed"] == 0xFFFFFFFF).all() and back["st"]["allowed"].shape == (4, mask_words(V))
+    # a constrained row: the mask travels as it is
+    m = compiler.matcher(StructuredOutput(choice=["a"]))
+    st = build_sampling_tensors([SamplingParams()], 4, [1], vocab_size=V, masks=[m.mask()])
+    packed = _pack_step({"st": st})
+    assert packed["st"]["allowed"] is st["allowed"]
+    assert _unpack_step(packed, ones)["st"]["allowed"] is st["allowed"]

@@ -107,9 +107,6 @@ class EmbeddingEngine:
 
     def __init__(self, model: str, *, dtype: str = "float32", max_batch_tokens: int = 8192,
                  max_model_len: int | None = None, warmup: bool = True, revision: str | None = None):
-        import jax
-        import jax.numpy as jnp
-
         from jaxserve.loader import source
 
         t0 = time.perf_counter()
@@ -123,11 +120,28 @@ class EmbeddingEngine:
         tok_file = (res.tokenizer_dir or d) / "tokenizer.json"
         if not tok_file.is_file():
             raise bert.EncoderConfigError(f"{d}: an embedding model needs tokenizer.json")
-        self.tokenizer = EncoderTokenizer(tok_file)
-        self.model = _Model(name=model)
+        self._setup(model, EncoderTokenizer(tok_file), bert.load_weights(d, self.cfg, np.dtype(dtype)),
+                    max_batch_tokens, t0, warmup)
+
+    @classmethod
+    def random(cls, preset: str, *, dtype: str = "float32", max_batch_tokens: int = 8192,
+               warmup: bool = True) -> "EmbeddingEngine":
+        """Random weights of a real encoder's shape (bert.PRESETS), no tokenizer: benchmarks on token ids."""
+        self = cls.__new__(cls)
+        self.cfg = bert.preset(preset)
+        self._setup(f"random:{preset}", None, bert.random_weights(self.cfg, dtype=np.dtype(dtype)),
+                    max_batch_tokens, time.perf_counter(), warmup)
+        return self
+
+    def _setup(self, name, tokenizer, weights, max_batch_tokens, t0, warmup) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        self.tokenizer = tokenizer
+        self.model = _Model(name=name)
         self.ecfg = _Limits(self.cfg.max_seq_len)
         self.dim = self.cfg.hidden_size
-        self.weights = jax.device_put(jax.tree.map(jnp.asarray, bert.load_weights(d, self.cfg, np.dtype(dtype))))
+        self.weights = jax.device_put(jax.tree.map(jnp.asarray, weights))
         self.load_seconds = time.perf_counter() - t0
         self.max_batch_tokens = int(max_batch_tokens)
         self.buckets = [(b, t) for t in length_buckets(self.cfg.max_seq_len) for b in BATCH_BUCKETS

@@ -230,6 +230,7 @@ class ModelRunner:
             self._replicated = replicated(mesh)
             self.consts = jax.device_put(self.consts, self._replicated)
         self.row_counted = np.zeros(self.R + 1, np.int64)  # output tokens counted per row
+        self._ones_masks: dict[int, Any] = {}  # rows -> all-ones token mask on the device (ones_mask)
         self._compiled: dict[tuple, Any] = {}
         self._frozen = False
         self.compile_seconds = 0.0
@@ -406,6 +407,7 @@ class ModelRunner:
     def _empty_inputs(self, key) -> dict:
         S = key[1] if key[0] == "decode" else self.ecfg.max_num_seqs
         st = build_sampling_tensors([], S, [], vocab_size=self.cfg.vocab_size)
+        st["allowed"] = self.ones_mask(S)
         st["want_logprobs"] = np.bool_(False)
         base = {
             "block_tables": np.zeros((S + 1, self.MB), np.int32),
@@ -426,6 +428,21 @@ class ModelRunner:
         base["target_ids"] = np.zeros(T, np.int32)
         base["want_plp"] = np.bool_(False)
         return base
+
+    def ones_mask(self, S: int):
+        """Structured output's token mask for S rows none of which is constrained: built once per row
+        bucket, kept on the device (replicated on a mesh, from each process's own copy)."""
+        a = self._ones_masks.get(S)
+        if a is None:
+            x = np.full((S, -(-self.cfg.vocab_size // 32)), 0xFFFFFFFF, np.uint32)
+            if self.mesh is None:
+                a = jax.device_put(x)
+            else:
+                from jaxserve.parallel.multihost import put_replicated
+
+                a = put_replicated(x, self._replicated)
+            self._ones_masks[S] = a
+        return a
 
     def _is_decode(self, sched: SchedulerOutput) -> bool:
         return all(s.num_new == 1 and s.samples and not s.reset_row
@@ -464,6 +481,8 @@ class ModelRunner:
                                                         - s.seq.num_computed_tokens for s in items],
                                            eos_token_ids=self.cfg.eos_token_ids,
                                            vocab_size=self.cfg.vocab_size, masks=masks)
+        if "allowed" not in inp["st"]:  # no constrained row: the all-ones mask already on the device
+            inp["st"]["allowed"] = self.ones_mask(S)
         inp["st"]["want_logprobs"] = np.bool_(any(p.logprobs for p in params))
         if key[0] == "decode":
             for i, s in enumerate(items):

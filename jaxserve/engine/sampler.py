@@ -368,7 +368,7 @@ def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax
     if logprobs or num_top > 0:
         lse_raw = _logsumexp(logits, jnp.max(logits, axis=-1))
     x = apply_penalties(logits, st, output_counts, prompt_mask)
-    if "constrained" in st:  # static: present when the runner built the tensors with a vocabulary
+    if "allowed" in st:  # static: the runner always passes it (all ones without constrained rows)
         x = apply_token_mask(x, st)
     temp = st["temperature"].astype(jnp.float32)
     greedy = temp <= 0.0

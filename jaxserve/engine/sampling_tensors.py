@@ -56,9 +56,11 @@ def build_sampling_tensors(
       suppress_eos bool[S], eos_ids i32[S, E] (-1 = unused),
       min_tokens_left i32[S] (outputs still to come before EOS is allowed; with K decode steps per
       dispatch the runner can use `min_tokens_left > k` as step k's suppress_eos);
-    and with vocab_size (W = ceil(vocab_size / 32)): constrained bool[S], allowed u32[S, W] (bit t % 32
-      of word t // 32: token t may be sampled) from masks[i] (structured output's GrammarMatcher.mask(),
-      None for an unconstrained row; all ones when unconstrained).
+    and with vocab_size (W = ceil(vocab_size / 32)): constrained bool[S] and, when some row is
+      constrained, allowed u32[S, W] (bit t % 32 of word t // 32: token t may be sampled) from masks[i]
+      (structured output's GrammarMatcher.mask(), None for an unconstrained row: all ones). Without
+      constrained rows "allowed" is left out: the runner passes an all-ones array it keeps on the device
+      (at 256 rows and a 262k vocabulary it is 8 MB, not worth building and copying every step).
 
     Raises ValueError when rows exceed num_rows, a row has more than max_bias logit_bias entries,
     or more than max_eos ids to suppress (the server caps both).
@@ -88,11 +90,12 @@ def build_sampling_tensors(
     }
     if vocab_size is not None:
         out["constrained"] = np.zeros(S, np.bool_)
-        out["allowed"] = np.full((S, -(-int(vocab_size) // 32)), 0xFFFFFFFF, np.uint32)
-        for i, m in enumerate(masks or ()):
-            if m is not None:
-                out["constrained"][i] = True
-                out["allowed"][i] = m
+        if masks and any(m is not None for m in masks):
+            out["allowed"] = np.full((S, -(-int(vocab_size) // 32)), 0xFFFFFFFF, np.uint32)
+            for i, m in enumerate(masks):
+                if m is not None:
+                    out["constrained"][i] = True
+                    out["allowed"][i] = m
     elif masks and any(m is not None for m in masks):
         raise ValueError("token masks need vocab_size")
     eos = [int(t) for t in eos_token_ids]

@@ -13,6 +13,7 @@ shorten it: its extra tokens go to slots nobody reads and are dropped). `update(
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from typing import Callable
@@ -21,6 +22,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput, StepResult
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import FinishReason, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -318,12 +321,14 @@ class Scheduler:
         if m is None:
             return False
         if not m.accept(tok):
+            log.warning("seq %d (request %s): token %d outside its grammar (%s); the output ends here",
+                        seq.seq_id, seq.request_id, tok, m.error or "no token was allowed")
             seq.output_token_ids.pop()
             if len(seq.output_logprobs) > len(seq.output_token_ids):
                 seq.output_logprobs.pop()
             seq.finish(FinishReason.STOP)
             return True
-        if m.done:
+        if m.done:  # complete (EOS included): nothing more can follow
             seq.finish(FinishReason.STOP)
             return True
         return False
@@ -358,7 +363,8 @@ class Scheduler:
                         seq.output_logprobs.append(lps[j])
                     if seq.first_token_time is None:
                         seq.first_token_time = time.monotonic()
-                    if self._stops(seq, int(tok), eos_check) or self._grammar_stops(seq, int(tok)):
+                    # the grammar first: a token it refuses is dropped even where max_tokens ends the output
+                    if self._grammar_stops(seq, int(tok)) or self._stops(seq, int(tok), eos_check):
                         break  # tokens after the stop are dropped
             # name newly full blocks before a finished seq gives them back, so they stay cached
             self.bm.commit_computed(seq)

@@ -103,6 +103,21 @@ def config_from_dir(d: str | Path) -> EncoderConfig:
                          pooling=pooling, normalize=normalize, max_seq_len=max_len)
 
 
+# Shapes of real encoders, for benchmarks with random weights (EmbeddingEngine.random).
+PRESETS = {
+    "minilm-l6": dict(hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536, max_seq_len=256),
+    "bert-base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072, max_seq_len=512),
+    "bert-large": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096, max_seq_len=512),
+}
+
+
+def preset(name: str) -> EncoderConfig:
+    if name not in PRESETS:
+        raise EncoderConfigError(f"unknown encoder preset {name!r}; known: {', '.join(PRESETS)}")
+    return EncoderConfig(model_type="bert", vocab_size=30522, max_position_embeddings=512, type_vocab_size=2,
+                         layer_norm_eps=1e-12, hidden_act="gelu", pad_token_id=0, **PRESETS[name])
+
+
 # checkpoint name (after the model prefix) -> (our name, is a matrix stored [out, in])
 _LAYER = {"attention.self.query": "q", "attention.self.key": "k", "attention.self.value": "v",
           "attention.output.dense": "o", "attention.output.LayerNorm": "ln1", "intermediate.dense": "up",

@@ -290,6 +290,8 @@ def put_replicated(tree, sharding):
     import numpy as np
 
     def put(x):
+        if isinstance(x, jax.Array):  # already a global array (the runner's all-ones token mask)
+            return x
         x = np.asarray(x)
         devs = list(sharding.addressable_devices_indices_map(x.shape))
         return jax.make_array_from_single_device_arrays(x.shape, sharding, [jax.device_put(x, d) for d in devs])
@@ -301,17 +303,16 @@ def _pack_step(inp: dict) -> dict:
     """The step message without the structured-output mask when no row is constrained (its all-ones
     [S, vocab/32] words would be most of the message): its shape stands in for it."""
     st = inp["st"]
-    if "allowed" in st and not st["constrained"].any():
+    if not st["constrained"].any():
         inp = dict(inp, st=dict(st, allowed=("ones", st["allowed"].shape)))
     return inp
 
 
-def _unpack_step(inp: dict) -> dict:
-    import numpy as np
-
+def _unpack_step(inp: dict, ones_mask) -> dict:
+    """A step message back into the runner's inputs; ones_mask(rows): the follower's own all-ones mask."""
     a = inp["st"].get("allowed")
     if isinstance(a, tuple):
-        inp = dict(inp, st=dict(inp["st"], allowed=np.full(a[1], 0xFFFFFFFF, np.uint32)))
+        inp = dict(inp, st=dict(inp["st"], allowed=ones_mask(a[1][0])))
     return inp
 
 
@@ -362,7 +363,7 @@ def follow(runner) -> int:
             log.info("rank %d: rank 0 stopped after %d steps", c.rank, steps)
             return steps
         _, key, inp = msg
-        inp = _unpack_step(inp)
+        inp = _unpack_step(inp, runner.ones_mask)
         exe = runner.compile(key)
         inp = put_replicated(inp, runner._replicated)
         runner.state, out = exe(runner.consts, runner.weights, runner.state, inp)

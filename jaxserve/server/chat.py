@@ -28,10 +28,10 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     funcs = tools.check_tools(req.tools, req.tool_choice)
     one_call = req.parallel_tool_calls is False
     forced = tools.forced_call(req.tool_choice) if funcs else None
-    spec = structured.pick(state,
+    spec = await structured.compiled(state, structured.pick(
         ("response_format", structured.from_response_format(req.response_format)),
         ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)),
-        ("tool_choice", structured.forced_tool_spec(funcs, forced, one_call) if forced else None))
+        ("tool_choice", structured.forced_tool_spec(funcs, forced, one_call) if forced else None)))
     params = chat_params(state, req, spec)
     ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, funcs)
     gen = Generation(state, [Prompt(ids)], params, new_id("chatcmpl"), prompt_param="messages")
@@ -44,14 +44,16 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     choices = []
     for c in gen.choices:
         if forced:
-            content, calls = None, tools.parse_forced(c.full_text, forced)
+            calls = tools.parse_forced(c.full_text, forced)
+            content = None if calls else c.full_text  # a "required" reply cut before its first call ended
         else:
             content, calls = tools.parse(c.full_text, funcs) if funcs else (c.full_text, [])
         calls = calls[:1] if one_call else calls
         choices.append(ChatChoice(
             index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
             logprobs=ChatChoiceLogprobs(content=chat_logprobs(state, c.token_ids, c.logprobs)) if want_lp else None,
-            finish_reason="tool_calls" if calls else c.finish_reason))
+            # a call cut off by max_tokens says so ("length"): its arguments are incomplete JSON
+            finish_reason="tool_calls" if calls and c.finish_reason != "length" else c.finish_reason))
     resp = ChatCompletionResponse(id=gen.id, created=gen.created, model=model, choices=choices, usage=gen.usage())
     return web.json_response(dump(resp))
 
@@ -104,7 +106,7 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
             if text or lp:
                 chunks.append(chunk([choice(idx, {"content": text} if text else {}, lp)]))
             chunks.append(chunk([choice(idx, {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]})]))
-            chunks.append(chunk([choice(idx, {}, None, "tool_calls")]))
+            chunks.append(chunk([choice(idx, {}, None, "length" if fin == "length" else "tool_calls")]))
         await w.send(chunks)
 
     try:

@@ -11,6 +11,7 @@ import logging
 
 from aiohttp import web
 
+from jaxserve.server import structured
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import (Choice, CompletionLogprobBuilder, Generation, Prompt,
                                         merge_completion_logprobs, new_id)
@@ -40,7 +41,10 @@ async def completions(request: web.Request, state, body) -> web.StreamResponse:
     model = state.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    params, discard = completion_params(state, req)
+    spec = await structured.compiled(state, structured.pick(
+        ("response_format", structured.from_response_format(req.response_format)),
+        ("structured_outputs", structured.from_structured_outputs(req.structured_outputs))))
+    params, discard = completion_params(state, req, spec)
     prompts = [Prompt(ids, text) for ids, text in completion_prompts(state, req.prompt)]
     gen = Generation(state, prompts, params, new_id("cmpl"), discard_output=discard)
     want_lp = req.logprobs is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from jaxserve.server import structured, tools
+from jaxserve.server import tools
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -110,7 +110,7 @@ def chat_params(state, req: ChatCompletionRequest, spec=None) -> SamplingParams:
     return _make(kw)
 
 
-def completion_params(state, req: CompletionRequest) -> tuple[SamplingParams, bool]:
+def completion_params(state, req: CompletionRequest, spec=None) -> tuple[SamplingParams, bool]:
     """(params, discard_output): max_tokens=0 with echo still runs one step for prompt logprobs and
     throws the generated token away."""
     mt = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
@@ -118,9 +118,7 @@ def completion_params(state, req: CompletionRequest) -> tuple[SamplingParams, bo
         raise bad_request(f"max_tokens must be >= 0, got {mt}", "max_tokens")
     discard = mt == 0
     kw = _common(state, req, 1 if discard else mt)
-    kw["structured"] = None if discard else structured.pick(state,
-        ("response_format", structured.from_response_format(req.response_format)),
-        ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)))
+    kw["structured"] = None if discard else spec  # max_tokens 0: nothing is generated to constrain
     if req.best_of is not None and req.best_of != kw["n"]:
         raise bad_request("best_of other than n is not implemented", "best_of", "unsupported_parameter")
     _check_logprobs(state, req.logprobs, "logprobs")

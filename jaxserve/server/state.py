@@ -34,8 +34,13 @@ class ServerState:
         self.served_names = names
         self.accepted_names: set[str] = set(names)
         self.defaults: dict = {}
-        self.metrics = Metrics(lambda: self.aengine.stats if self.aengine is not None else None)
+        self.metrics = Metrics(self._engine_stats)
         self._token_text: dict[int, str] = {}
+
+    def _engine_stats(self) -> dict | None:
+        if self.aengine is not None:
+            return self.aengine.stats
+        return {} if self.embedder is not None else None  # an embedding model: ready, no KV cache
 
     # ------------------------------------------------------------------ set-up (after load)
     def attach(self, engine, aengine) -> None:

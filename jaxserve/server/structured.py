@@ -7,12 +7,13 @@
 * forced tool calls (chat `tool_choice` "required" or {"type": "function", "function": {"name"}}): the
   reply is constrained to the JSON of the call(s) and returned as `tool_calls` (server/tools.py).
 
-Shapes are checked here and the grammar is compiled once (`pick`): an invalid schema, regex or
-grammar is a 400 naming the field it came from.
+Shapes are checked here and the grammar is compiled once, off the event loop (`compiled`): an
+invalid schema, regex or grammar is a 400 naming the field it came from.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from jaxserve.engine.structured import StructuredOutput, StructuredOutputError
@@ -85,33 +86,70 @@ def from_structured_outputs(so: Any) -> StructuredOutput | None:
     return _spec(param, **kw)
 
 
+def _hoist_defs(params: dict, prefix: str, defs: dict, depth: int = 0):
+    """params without its $defs/definitions, which move into `defs` under prefix-qualified names, and
+    with its "#/$defs/..." references rewritten: one function's parameters nested inside the combined
+    "required" schema keep resolving their references (Pydantic-made tools use them for nested models)."""
+    if depth == 0:
+        params = dict(params)
+        for key in ("$defs", "definitions"):
+            for name, d in (params.pop(key, None) or {}).items():
+                defs[f"{prefix}{name}"] = _hoist_defs(d, prefix, defs, 1)
+    if isinstance(params, dict):
+        out = {k: _hoist_defs(v, prefix, defs, depth + 1) for k, v in params.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            for key in ("$defs", "definitions"):
+                if ref.startswith(f"#/{key}/"):
+                    out["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3:]}"
+        return out
+    if isinstance(params, list):
+        return [_hoist_defs(v, prefix, defs, depth + 1) for v in params]
+    return params
+
+
+def _arguments_schema(params: dict) -> dict:
+    """A function's parameters as the schema of its arguments: always a JSON object."""
+    return params if params.get("type") == "object" else {**params, "type": "object"}
+
+
 def forced_tool_spec(funcs: list[dict], forced: str, one_call: bool) -> StructuredOutput:
     """The JSON a forced call must be: a named function's arguments object, or for "required" a list
     of {"name", "arguments"} calls of the declared functions (one at most when one_call)."""
     if forced != "required":
         params = next(f["parameters"] for f in funcs if f["name"] == forced)
-        return _spec("tool_choice", json_schema=params)
-    call = [{"type": "object",
-             "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-             "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
+        return _spec("tool_choice", json_schema=_arguments_schema(params))
+    defs: dict = {}
+    call = []
+    for i, f in enumerate(funcs):
+        args = _hoist_defs(_arguments_schema(f["parameters"]), f"f{i}_", defs)
+        call.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": args},
+                     "required": ["name", "arguments"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
     if one_call:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return _spec("tool_choice", json_schema=schema)
 
 
-def pick(state, *specs: tuple[str, StructuredOutput | None]) -> StructuredOutput | None:
-    """The request's one source of structure (two are a 400), its grammar compiled once here so that
-    an invalid schema, regex or grammar is a 400 naming the field it came from."""
+def pick(*specs: tuple[str, StructuredOutput | None]) -> tuple[str, StructuredOutput] | None:
+    """The request's one source of structure as (field, spec); two are a 400."""
     given = [(name, s) for name, s in specs if s is not None]
     if len(given) > 1:
         raise bad_request(f"{given[0][0]} and {given[1][0]} cannot be combined: both constrain the output",
                           given[1][0])
-    if not given:
+    return given[0] if given else None
+
+
+async def compiled(state, picked: tuple[str, StructuredOutput] | None) -> StructuredOutput | None:
+    """Compile the grammar once, off the event loop (a large enum takes ~0.3 s; the engine reuses the
+    compiled grammar): an invalid schema, regex or grammar is a 400 naming the field it came from."""
+    if picked is None:
         return None
-    name, spec = given[0]
+    name, spec = picked
     try:
-        state.engine.grammar_compiler.matcher(spec)
+        await asyncio.get_running_loop().run_in_executor(None, state.engine.grammar_compiler.matcher, spec)
     except StructuredOutputError as e:
         raise bad_request(str(e), name) from None
     return spec

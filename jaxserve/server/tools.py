@@ -148,7 +148,8 @@ class ForcedCallHolder:
         return ""
 
     def finish(self, funcs: list[dict]) -> tuple[str, list[dict]]:
-        return "", parse_forced(self.text, self.forced)
+        calls = parse_forced(self.text, self.forced)
+        return ("" if calls else self.text), calls  # no call at all (cut short): the text as content
 
 
 def template_tools(funcs: list[dict]) -> list[dict]:
