@@ -184,3 +184,26 @@ def test_embeddings_endpoint(server, minilm):
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
     assert "jaxserve_ready 1.0" in text
     assert float(re.search(r"^jaxserve_prompt_tokens_total (\S+)", text, re.M).group(1)) >= n_tokens
+
+
+def test_hub_id_from_the_offline_cache(tmp_path, minilm):
+    """`--model org/name` of an embedding model loads from huggingface_hub's cache with HF_HUB_OFFLINE,
+    sentence-transformers' pooling files included."""
+    import os
+    import subprocess
+    import sys
+
+    from test_source import ROOT, _fake_cache
+
+    src = ensure_minilm()
+    files = {str(p.relative_to(src)): p for p in src.rglob("*") if p.is_file() and p.suffix != ".lock"}
+    assert "1_Pooling/config.json" in files
+    _fake_cache(tmp_path / "hf", "sentence-transformers/all-MiniLM-L6-v2", files)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    code = ("import json; from jaxserve import LLM; llm = LLM('sentence-transformers/all-MiniLM-L6-v2'); "
+            "print(json.dumps(llm.embed(['A man is eating food.'])[0].tolist()))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.array(json.loads(r.stdout.strip().splitlines()[-1]))
+    np.testing.assert_allclose(got, minilm.embed(["A man is eating food."])[0], atol=1e-6)

@@ -38,6 +38,9 @@ def is_embedding_model(model: str | None, revision: str | None = None) -> bool:
     try:
         from jaxserve.loader import source
 
+        snap = source._cached_snapshot(model, revision)  # no network when the config is cached
+        if snap is not None and (snap / "config.json").is_file():
+            return bert.is_encoder_dir(snap)
         return bert.is_encoder_dir(source.resolve_model(model, revision=revision).model_dir)
     except Exception:
         return False

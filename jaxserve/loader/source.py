@@ -32,6 +32,9 @@ _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
+# sentence-transformers' pooling / normalisation / length settings (embedding models, models/bert.py)
+EMBEDDING_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                   "1_Pooling/config.json")
 _INDEX = "model.safetensors.index.json"
 CHECKPOINT_MARKER = "jaxserve_checkpoint.json"  # a jaxserve pre-quantized checkpoint (loader/checkpoint.py)
 
@@ -154,7 +157,7 @@ def _listing(snap: Path) -> list[str]:
 def _plan(repo_id: str, listing: list[str] | None, file: str | None, weights_kind: str | None):
     """-> (kind, required names, optional names) of a repo; `listing` None = unknown (offline, no cache)."""
     have = set(listing or ())
-    optional = [n for n in TOKENIZER_FILES if listing is None or n in have]
+    optional = [n for n in TOKENIZER_FILES + EMBEDDING_FILES if listing is None or n in have]
     if weights_kind == "safetensors":  # weights come from a local file: the repo supplies config + tokenizer
         return "meta", ["config.json"], optional
     if weights_kind == "gguf":  # a GGUF carries its config; config.json is only a bonus
