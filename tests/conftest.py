@@ -194,7 +194,15 @@ SERVER_CONFIGS = {
     # an embedding model (all-MiniLM-L6-v2): /v1/embeddings
     "embed": dict(used_by=("test_embeddings",),
                   args=lambda: ["--model", str(_minilm()), "--served-model-name", "minilm"]),
+    # a tiny random cross-encoder (model_files.tiny_cross_encoder): /rerank and /score
+    "rerank": dict(used_by=("test_embeddings",), args=lambda: ["--model", str(_cross_encoder())]),
 }
+
+
+def _cross_encoder():
+    from model_files import tiny_cross_encoder
+
+    return tiny_cross_encoder()
 
 
 def _minilm():

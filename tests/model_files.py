@@ -44,3 +44,29 @@ def transformers_reuses_readers():
         yield
     finally:
         gguf.GGUFReader = original
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_cross_encoder() -> Path:
+    """A tiny random BERT cross-encoder (BertForSequenceClassification, one label) with all-MiniLM's
+    tokenizer, made once per test process: the reranker the /rerank tests serve and compare with
+    transformers."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from jaxserve.loader.pip_models import ensure_minilm
+
+    d = Path(tempfile.mkdtemp(prefix="jaxserve-tiny-ce-"))
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=128, num_labels=1)).eval()
+    with torch.no_grad():  # a larger head so that scores spread out over (0, 1)
+        model.bert.pooler.dense.weight.mul_(20.0)
+        model.classifier.weight.mul_(10.0)
+    model.save_pretrained(d, safe_serialization=True)
+    shutil.copy(ensure_minilm() / "tokenizer.json", d / "tokenizer.json")
+    return d

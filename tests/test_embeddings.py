@@ -1,6 +1,7 @@
-"""Embeddings: encoder models against Hugging Face transformers (the real all-MiniLM-L6-v2 and tiny
-random BERT / RoBERTa / XLM-RoBERTa with each pooling mode), the engine's buckets (no compile after
-warm-up, inputs in order), and POST /v1/embeddings end to end on a real server."""
+"""Encoder models: embeddings against Hugging Face transformers (the real all-MiniLM-L6-v2 and tiny
+random BERT / RoBERTa / XLM-RoBERTa with each pooling mode), cross-encoder scores (tiny random BERT and
+XLM-RoBERTa sequence classifiers), the engine's buckets (no compile after warm-up, inputs in order),
+and POST /v1/embeddings, /rerank and /score end to end on real servers."""
 
 import asyncio
 import base64
@@ -17,7 +18,7 @@ from conftest import get_json, post_json, validate_schema
 from jaxserve import LLM
 from jaxserve.engine.embedder import EmbeddingEngine, EmbeddingInputError, is_embedding_model, length_buckets
 from jaxserve.loader.pip_models import ensure_minilm
-from model_files import smollm2_gguf
+from model_files import smollm2_gguf, tiny_cross_encoder
 
 TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
          "hi", "Paris is the capital and most populous city of France, on the Seine. " * 6,
@@ -207,3 +208,104 @@ def test_hub_id_from_the_offline_cache(tmp_path, minilm):
     assert r.returncode == 0, r.stderr[-3000:]
     got = np.array(json.loads(r.stdout.strip().splitlines()[-1]))
     np.testing.assert_allclose(got, minilm.embed(["A man is eating food."])[0], atol=1e-6)
+
+
+QUERY = "what is the capital of france"
+DOCS = ["Paris is the capital of France.", "Bananas are yellow. " * 40, "x", "Berlin is in Germany.",
+        "The capital city of France is Paris, on the Seine."]
+
+
+def _hf_pair_scores(model, tok_json, query, docs, max_len, token_types=True):
+    """transformers' sigmoid(logit) of each (query, doc), tokenized by the tokenizers library itself."""
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(tok_json))
+    t.no_padding()
+    t.enable_truncation(max_len, strategy="only_second")
+    out = []
+    for d in docs:
+        e = t.encode(query, d)
+        kw = {"token_type_ids": torch.tensor([e.type_ids])} if token_types else {}
+        with torch.no_grad():
+            out.append(torch.sigmoid(model(input_ids=torch.tensor([e.ids]), **kw).logits[0, 0]).item())
+    return np.array(out)
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_cross_encoders_match_transformers(tmp_path, family):
+    from transformers import (BertConfig, BertForSequenceClassification, XLMRobertaConfig,
+                              XLMRobertaForSequenceClassification)
+
+    if family == "bert":
+        d = tiny_cross_encoder()
+        model = BertForSequenceClassification.from_pretrained(str(d)).eval()
+    else:
+        torch.manual_seed(1)
+        model = XLMRobertaForSequenceClassification(XLMRobertaConfig(
+            vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+            max_position_embeddings=70, num_labels=1, pad_token_id=1, type_vocab_size=1)).eval()
+        with torch.no_grad():  # a larger head so that scores spread out over (0, 1)
+            model.classifier.dense.weight.mul_(20.0)
+            model.classifier.out_proj.weight.mul_(10.0)
+        model.save_pretrained(tmp_path, safe_serialization=True)
+        shutil.copy(ensure_minilm() / "tokenizer.json", tmp_path / "tokenizer.json")
+        d = tmp_path
+    llm = LLM(str(d))
+    eng = llm.engine
+    assert eng.is_classifier and eng.cfg.num_labels == 1
+    got = llm.rerank(QUERY, DOCS)
+    want = _hf_pair_scores(model, d / "tokenizer.json", QUERY, DOCS, eng.cfg.max_seq_len,
+                           token_types=family == "bert")
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    assert len(set(np.round(got, 4))) == len(DOCS)  # distinct far beyond the tolerance: a mix-up would show
+    with pytest.raises(EmbeddingInputError, match="cross-encoder"):
+        llm.embed(["hello"])
+    with pytest.raises(EmbeddingInputError, match="query is too long"):
+        llm.rerank("word " * 300, ["doc"])
+
+
+@pytest.fixture(scope="module")
+def rerank_server(server_factory):
+    return server_factory("rerank")
+
+
+def test_rerank_and_score_endpoints(rerank_server, server, minilm):
+    url = rerank_server.url
+    llm = LLM(str(tiny_cross_encoder()))
+    want = llm.rerank(QUERY, DOCS)
+    status, r = post_json(f"{url}/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 3})
+    assert status == 200, r
+    assert [x["index"] for x in r["results"]] == list(np.argsort(-want)[:3])
+    np.testing.assert_allclose([x["relevance_score"] for x in r["results"]], np.sort(want)[::-1][:3], atol=1e-6)
+    assert r["results"][0]["document"]["text"] == DOCS[r["results"][0]["index"]] and r["usage"]["total_tokens"] > 0
+    # Cohere's v2 path, documents as objects, without the documents echoed
+    status, r = post_json(f"{url}/v2/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                               "return_documents": False})
+    assert status == 200 and len(r["results"]) == len(DOCS) and "document" not in r["results"][0]
+    # vLLM's /score: one text against many, and pairwise
+    status, r = post_json(f"{url}/score", {"text_1": QUERY, "text_2": DOCS})
+    assert status == 200 and [x["index"] for x in r["data"]] == list(range(len(DOCS)))
+    np.testing.assert_allclose([x["score"] for x in r["data"]], want, atol=1e-6)
+    status, r = post_json(f"{url}/v1/score", {"text_1": [QUERY, "berlin"], "text_2": [DOCS[0], DOCS[3]]})
+    assert status == 200
+    np.testing.assert_allclose([x["score"] for x in r["data"]],
+                               [want[0], llm.rerank("berlin", [DOCS[3]])[0]], atol=1e-6)
+    for path, body, param in [("/v1/rerank", {"query": "", "documents": ["a"]}, "documents"),
+                              ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+                              ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+                              ("/v1/rerank", {"query": "word " * 300, "documents": ["a"]}, "documents"),
+                              ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+                              ("/v1/embeddings", {"input": "hello"}, "model"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model")]:
+        status, err = post_json(f"{url}{path}", body)
+        assert status == 400, (path, body, err)
+        validate_schema(err, "ErrorResponse")
+        assert err["error"]["param"] == param, (path, body, err)
+    # an embedding model scores by cosine similarity
+    status, r = post_json(f"{server.url}/v1/rerank", {"query": TEXTS[0], "documents": TEXTS[1:4]})
+    assert status == 200, r
+    v = minilm.embed(TEXTS[:4])
+    cos = v[1:] @ v[0]  # normalized embeddings
+    np.testing.assert_allclose(sorted((x["relevance_score"] for x in r["results"]), reverse=True),
+                               np.sort(cos)[::-1], atol=1e-5)
+    assert r["results"][0]["index"] == int(np.argmax(cos)) == 0  # "eating bread" is closest to "eating food"

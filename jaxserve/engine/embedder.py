@@ -46,6 +46,11 @@ def is_embedding_model(model: str | None, revision: str | None = None) -> bool:
         return False
 
 
+def relevance(logits: np.ndarray) -> np.ndarray:
+    """A one-label cross-encoder's logits [n, 1] -> scores in (0, 1)."""
+    return (1.0 / (1.0 + np.exp(-logits[:, 0].astype(np.float64)))).astype(np.float32)
+
+
 class EmbeddingInputError(ValueError):
     """An input this model cannot embed (empty, too long, out-of-vocabulary ids): the caller's fault."""
 
@@ -79,6 +84,7 @@ class EncoderTokenizer:
         self.backend = Tokenizer.from_file(str(path))
         self.backend.no_padding()
         self.backend.no_truncation()
+        self._pairs = None  # (max_len, a copy of the tokenizer that truncates pairs' second text)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -86,6 +92,22 @@ class EncoderTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=True)]
+
+    def encode_pairs(self, query: str, docs: list[str], max_len: int) -> list[tuple[list[int], list[int]]]:
+        """(ids, token types) of each (query, doc) pair with the pair template ([CLS] q [SEP] d [SEP]);
+        a document too long for max_len is cut (only the document: "only_second"), a query that
+        leaves no room is an EmbeddingInputError."""
+        if not self._pairs or self._pairs[0] != max_len:
+            from tokenizers import Tokenizer
+
+            t = Tokenizer.from_str(self.backend.to_str())
+            t.enable_truncation(max_len, strategy="only_second")
+            self._pairs = (max_len, t)
+        try:
+            encs = self._pairs[1].encode_batch([(query, d) for d in docs], add_special_tokens=True)
+        except Exception as e:  # the query alone does not fit
+            raise EmbeddingInputError(f"the query is too long for this model's {max_len} tokens ({e})", "query")
+        return [(e.ids, e.type_ids) for e in encs]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -149,7 +171,8 @@ class EmbeddingEngine:
         self.max_batch_tokens = int(max_batch_tokens)
         self.buckets = [(b, t) for t in length_buckets(self.cfg.max_seq_len) for b in BATCH_BUCKETS
                         if b == 1 or b * t <= self.max_batch_tokens]
-        self._fn = jax.jit(lambda w, ids, mask: bert.embed(self.cfg, w, ids, mask))
+        self._fn = jax.jit(lambda w, ids, types, mask: bert.embed(self.cfg, w, ids, types, mask))
+        self.width = self.cfg.num_labels or self.dim  # a row of output: labels' logits or the embedding
         self._exe: dict[tuple[int, int], object] = {}
         self.num_batches = 0
         if warmup:
@@ -161,7 +184,7 @@ class EmbeddingEngine:
 
         B, T = key
         spec = jax.ShapeDtypeStruct((B, T), np.int32)
-        return self._fn.lower(self.weights, spec, spec).compile()
+        return self._fn.lower(self.weights, spec, spec, spec).compile()
 
     def warmup(self) -> None:
         t = time.perf_counter()
@@ -190,11 +213,33 @@ class EmbeddingEngine:
             max(((b, tt) for b, tt in self.buckets if tt == t), key=lambda k: k[0])
 
     # ------------------------------------------------------------------ embedding
+    @property
+    def is_classifier(self) -> bool:
+        return self.cfg.num_labels > 0
+
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """float32 [len(inputs), dim], row i for inputs[i]. Inputs are checked first (EmbeddingInputError)."""
+        if self.is_classifier:
+            raise EmbeddingInputError("this model is a cross-encoder (sequence classification): it scores text "
+                                      "pairs (rerank / score), it does not embed", "model")
+        return self.run(inputs)
+
+    def score(self, pairs: list[tuple[list[int], list[int]]]) -> np.ndarray:
+        """Relevance of encoded text pairs (ids, token types), float32 [n]: a one-label cross-encoder's
+        sigmoid (sentence-transformers' CrossEncoder default)."""
+        if self.cfg.num_labels != 1:
+            raise EmbeddingInputError(f"scoring needs a one-label cross-encoder; this model has "
+                                      f"{self.cfg.num_labels or 'no'} labels", "model")
+        return relevance(self.run([ids for ids, _ in pairs], [types for _, types in pairs]))
+
+    def run(self, inputs: list[list[int]], types: list[list[int]] | None = None) -> np.ndarray:
+        """The model's output rows (embeddings, or a classifier's logits) for token-id lists, with
+        their token types (segments; zeros when None), in order."""
         for i, ids in enumerate(inputs):
             self.check(ids, f"input[{i}]" if len(inputs) > 1 else "input")
-        out = np.zeros((len(inputs), self.dim), np.float32)
+        if self.cfg.type_vocab_size == 1:
+            types = None  # RoBERTa-style: one segment whatever the tokenizer's pair template says
+        out = np.zeros((len(inputs), self.width), np.float32)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
         pos = 0
         while pos < len(order):
@@ -203,15 +248,18 @@ class EmbeddingEngine:
             rows = order[pos:pos + B]
             pos += len(rows)
             ids = np.zeros((B, T), np.int32)
+            tt = np.zeros((B, T), np.int32)
             mask = np.zeros((B, T), np.int32)
             for r, i in enumerate(rows):
                 ids[r, :len(inputs[i])] = inputs[i]
+                if types is not None:
+                    tt[r, :len(types[i])] = types[i]
                 mask[r, :len(inputs[i])] = 1
             mask[len(rows):, 0] = 1  # padding rows: one visible token, so no row is all masked
             exe = self._exe.get((B, T))
             if exe is None:  # warmup=False: compile on first use (offline scripts that skip warm-up)
                 exe = self._exe[(B, T)] = self._compile((B, T))
-            vecs = np.asarray(exe(self.weights, ids, mask))
+            vecs = np.asarray(exe(self.weights, ids, tt, mask))
             out[rows] = vecs[:len(rows)]
             self.num_batches += 1
         return out

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence as Seq
 
+import numpy as np
+
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sampling_params import SamplingParams
@@ -117,6 +119,17 @@ class LLM:
             inputs = [inputs]
         ids = [self.engine.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
         return self.engine.embed(ids)
+
+    def rerank(self, query: str, documents: list[str]):
+        """Relevance of each document to the query, float32 numpy [n] in the documents' order: a
+        cross-encoder's score in (0, 1), or an embedding model's cosine similarity."""
+        eng = self.engine
+        if not getattr(eng, "is_embedding", False):
+            raise ValueError("rerank needs an encoder model (a cross-encoder or an embedding model)")
+        if eng.is_classifier:
+            return eng.score(eng.tokenizer.encode_pairs(query, list(documents), eng.cfg.max_seq_len))
+        v = self.embed([query] + list(documents))
+        return (v[1:] @ v[0] / (np.linalg.norm(v[1:], axis=1) * np.linalg.norm(v[0]) + 1e-12)).astype(np.float32)
 
     def _need_generative(self) -> None:
         if getattr(self.engine, "is_embedding", False):

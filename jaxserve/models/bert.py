@@ -1,4 +1,5 @@
-"""Encoder (embedding) models: BERT, RoBERTa, XLM-RoBERTa — config, weights and a pure forward.
+"""Encoder models: BERT, RoBERTa, XLM-RoBERTa — config, weights and a pure forward, for embeddings
+and (with a sequence-classification head) cross-encoder scoring / reranking.
 
 These are the sentence-embedding models (all-MiniLM, bge, e5, gte, multilingual-e5...) behind
 `/v1/embeddings`: bidirectional attention over one padded batch, no KV cache, then the pooling that
@@ -40,6 +41,7 @@ class EncoderConfig:
     pooling: str = "mean"
     normalize: bool = True
     max_seq_len: int = 512  # longest input (tokens, special ones included)
+    num_labels: int = 0  # > 0: a sequence-classification head (cross-encoder / reranker), no pooling
 
     @property
     def position_offset(self) -> int:
@@ -88,7 +90,13 @@ def config_from_dir(d: str | Path) -> EncoderConfig:
     act = c.get("hidden_act", "gelu")
     if act not in _ACTS:
         raise EncoderConfigError(f"hidden_act {act!r} is not supported ({', '.join(_ACTS)})")
-    pooling, normalize = _pooling(d)
+    archs = c.get("architectures") or []
+    num_labels = 0
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        num_labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
+        pooling, normalize = "cls", False
+    else:
+        pooling, normalize = _pooling(d)
     pad = int(c.get("pad_token_id", 0) or 0)
     max_pos = int(c["max_position_embeddings"])
     max_len = max_pos - (pad + 1 if mt != "bert" else 0)
@@ -100,7 +108,7 @@ def config_from_dir(d: str | Path) -> EncoderConfig:
                          intermediate_size=int(c["intermediate_size"]), max_position_embeddings=max_pos,
                          type_vocab_size=int(c.get("type_vocab_size", 2)),
                          layer_norm_eps=float(c.get("layer_norm_eps", 1e-12)), hidden_act=act, pad_token_id=pad,
-                         pooling=pooling, normalize=normalize, max_seq_len=max_len)
+                         pooling=pooling, normalize=normalize, max_seq_len=max_len, num_labels=num_labels)
 
 
 # Shapes of real encoders, for benchmarks with random weights (EmbeddingEngine.random).
@@ -151,7 +159,7 @@ def load_weights(d: str | Path, cfg: EncoderConfig, dtype=np.float32) -> dict:
         return raw[name].astype(dtype)
 
     emb = {"word": get("embeddings.word_embeddings.weight"), "pos": get("embeddings.position_embeddings.weight"),
-           "type": get("embeddings.token_type_embeddings.weight")[0],  # one segment: token_type_ids are 0
+           "type": get("embeddings.token_type_embeddings.weight"),
            "ln_w": get("embeddings.LayerNorm.weight"), "ln_b": get("embeddings.LayerNorm.bias")}
     if emb["word"].shape != (cfg.vocab_size, cfg.hidden_size):
         raise EncoderConfigError(f"word embeddings are {emb['word'].shape}, config says "
@@ -166,8 +174,19 @@ def load_weights(d: str | Path, cfg: EncoderConfig, dtype=np.float32) -> dict:
             else:
                 layers.setdefault(ours + "_w", []).append(get(p + ".weight").T)
                 layers.setdefault(ours + "_b", []).append(get(p + ".bias"))
-    out = {k: np.stack(v) for k, v in layers.items()}
-    return {"emb": emb, "layers": _fuse_qkv(out)}
+    out = {"emb": emb, "layers": _fuse_qkv({k: np.stack(v) for k, v in layers.items()})}
+    if cfg.num_labels:
+        # BERT: tanh(pooler(CLS)) -> classifier; RoBERTa: classifier.dense -> tanh -> out_proj: one shape
+        if "classifier.out_proj.weight" in raw:
+            dense, proj = "classifier.dense", "classifier.out_proj"
+        else:
+            dense, proj = "pooler.dense", "classifier"
+        out["head"] = {"dense_w": get(dense + ".weight").T, "dense_b": get(dense + ".bias"),
+                       "out_w": get(proj + ".weight").T, "out_b": get(proj + ".bias")}
+        if out["head"]["out_w"].shape != (cfg.hidden_size, cfg.num_labels):
+            raise EncoderConfigError(f"{proj}.weight is {raw[proj + '.weight'].shape}, config says "
+                                     f"{cfg.num_labels} labels")
+    return out
 
 
 def _fuse_qkv(layers: dict) -> dict:
@@ -183,7 +202,7 @@ def random_weights(cfg: EncoderConfig, seed: int = 0, dtype=np.float32) -> dict:
     rng = np.random.default_rng(seed)
     H, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     r = lambda *s: (rng.standard_normal(s) * 0.02).astype(dtype)
-    emb = {"word": r(cfg.vocab_size, H), "pos": r(cfg.max_position_embeddings, H), "type": r(H),
+    emb = {"word": r(cfg.vocab_size, H), "pos": r(cfg.max_position_embeddings, H), "type": r(cfg.type_vocab_size, H),
            "ln_w": np.ones(H, dtype), "ln_b": np.zeros(H, dtype)}
     layers = {"q_w": r(L, H, H), "k_w": r(L, H, H), "v_w": r(L, H, H), "o_w": r(L, H, H), "up_w": r(L, H, F),
               "down_w": r(L, F, H), "ln1_w": np.ones((L, H), dtype), "ln2_w": np.ones((L, H), dtype)}
@@ -213,9 +232,9 @@ def _ln(x, w, b, eps):
     return (x - m) * (1.0 / jnp.sqrt(v + eps)) * w + b
 
 
-def encode(cfg: EncoderConfig, weights: dict, ids, mask):
-    """Token states [B, T, H] (f32) of ids [B, T] int32 with mask [B, T] (1 = token, 0 = padding;
-    padding at the end of each row)."""
+def encode(cfg: EncoderConfig, weights: dict, ids, types, mask):
+    """Token states [B, T, H] (f32) of ids [B, T] int32 with token types (segments) [B, T] and mask
+    [B, T] (1 = token, 0 = padding; padding at the end of each row)."""
     import jax
     import jax.numpy as jnp
 
@@ -226,7 +245,7 @@ def encode(cfg: EncoderConfig, weights: dict, ids, mask):
         pos = jnp.cumsum(mask, axis=1) * mask + cfg.pad_token_id
     else:
         pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    x = f32(e["word"][ids]) + f32(e["pos"][pos]) + f32(e["type"])
+    x = f32(e["word"][ids]) + f32(e["pos"][pos]) + f32(e["type"][types])
     x = _ln(x, f32(e["ln_w"]), f32(e["ln_b"]), cfg.layer_norm_eps)
     nh, hd = cfg.num_heads, cfg.hidden_size // cfg.num_heads
     bias = jnp.where(mask[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)  # [B, 1, 1, T] keys
@@ -271,6 +290,15 @@ def pool(cfg: EncoderConfig, states, mask):
     return v
 
 
-def embed(cfg: EncoderConfig, weights: dict, ids, mask):
-    """Sentence embeddings [B, H] of a padded batch: encode, then pool."""
-    return pool(cfg, encode(cfg, weights, ids, mask), mask)
+def embed(cfg: EncoderConfig, weights: dict, ids, types, mask):
+    """Sentence embeddings [B, H] of a padded batch: encode, then pool; for a classification model the
+    head's logits [B, num_labels] instead (of the first token's state)."""
+    import jax.numpy as jnp
+
+    states = encode(cfg, weights, ids, types, mask)
+    if not cfg.num_labels:
+        return pool(cfg, states, mask)
+    h = weights["head"]
+    f32 = lambda a: a.astype(jnp.float32)
+    x = jnp.tanh(states[:, 0] @ f32(h["dense_w"]) + f32(h["dense_b"]))
+    return x @ f32(h["out_w"]) + f32(h["out_b"])

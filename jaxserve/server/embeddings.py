@@ -1,10 +1,13 @@
-"""POST /v1/embeddings, and the batcher that runs concurrent requests' inputs together.
+"""POST /v1/embeddings, /rerank and /score, and the batcher that runs concurrent requests' inputs together.
 
 Served when the model is an embedding model (engine/embedder.py); a generative model answers 400.
 `input`: a string, a list of strings, a token-id list or a list of token-id lists (at most 2048
 inputs, each at most the model's max_seq_len tokens: longer is a 400, not a silent truncation);
 `encoding_format` "float" (default) or "base64" (little-endian float32, what the `openai` client asks
-for by default); `dimensions` only as the model's own size.
+for by default); `dimensions` only as the model's own size. `/rerank` (Cohere / Jina: query + documents, top_n,
+return_documents) and `/score` (vLLM: text_1 against text_2) score with a cross-encoder (a
+sequence-classification checkpoint with one label: the sigmoid of its logit) or, with an embedding
+model, the cosine similarity of the embeddings.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import base64
 import logging
 import queue
 import threading
+import time
+import uuid
 from typing import Literal
 
 import numpy as np
@@ -46,10 +51,11 @@ class EmbedBatcher:
         self._thread = threading.Thread(target=self._work, name="jaxserve-embed", daemon=True)
         self._thread.start()
 
-    async def embed(self, ids: list[list[int]]) -> np.ndarray:
+    async def run(self, ids: list[list[int]], types: list[list[int]] | None = None) -> np.ndarray:
+        """The engine's output rows (embeddings, or a cross-encoder's logits) for these inputs."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._q.put((ids, fut, loop))
+        self._q.put((ids, types or [[] for _ in ids], fut, loop))
         return await fut
 
     def _work(self) -> None:
@@ -64,14 +70,14 @@ class EmbedBatcher:
                 jobs.append(job)
                 n += len(job[0])
             try:
-                vecs = self.engine.embed([ids for job in jobs for ids in job[0]])
+                vecs = self.engine.run([ids for job in jobs for ids in job[0]], [t for job in jobs for t in job[1]])
             except Exception as e:  # inputs were checked per request: a failure here is the engine's
                 log.exception("embedding batch failed")
-                for _, fut, loop in jobs:
+                for *_, fut, loop in jobs:
                     loop.call_soon_threadsafe(lambda f=fut, err=e: f.done() or f.set_exception(err))
                 continue
             start = 0
-            for ids, fut, loop in jobs:
+            for ids, _, fut, loop in jobs:
                 part = vecs[start:start + len(ids)]
                 start += len(ids)
                 loop.call_soon_threadsafe(lambda f=fut, v=part: f.done() or f.set_result(v))
@@ -105,19 +111,16 @@ def _inputs(state, req: EmbeddingRequest) -> list[list[int]]:
 async def embeddings(request: web.Request, state, body) -> web.Response:
     req = parse_request(EmbeddingRequest, body)
     model = state.check_model(req.model)
-    if state.embedder is None:
-        raise bad_request(f"the model `{model}` generates text and does not serve embeddings; start jaxserve "
-                          "with an embedding model (a BERT / RoBERTa / XLM-RoBERTa sentence-transformers "
-                          "checkpoint)", "model", "model_not_supported")
+    _need_encoder(state, model)
+    if state.engine.is_classifier:
+        raise bad_request(f"the model `{model}` is a cross-encoder: it scores text pairs (/rerank, /score), "
+                          "it does not embed", "model", "model_not_supported")
     dim = state.engine.dim
     if req.dimensions is not None and req.dimensions != dim:
         raise bad_request(f"dimensions: this model's embeddings have {dim} dimensions and cannot be shortened",
                           "dimensions", "unsupported_parameter")
     ids = _inputs(state, req)
-    try:
-        vecs = await state.embedder.embed(ids)
-    except Exception as e:
-        raise APIError(500, f"embedding failed: {e}") from None
+    vecs = await _run(state, ids)
     b64 = req.encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if b64 else v.tolist()}
@@ -126,3 +129,112 @@ async def embeddings(request: web.Request, state, body) -> web.Response:
     state.metrics.prompt_tokens.inc(n)
     return web.json_response({"object": "list", "data": data, "model": model,
                               "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+async def _run(state, ids, types=None) -> np.ndarray:
+    try:
+        return await state.embedder.run(ids, types)
+    except Exception as e:
+        raise APIError(500, f"the model failed: {e}") from None
+
+
+def _need_encoder(state, model: str) -> None:
+    if state.embedder is None:
+        raise bad_request(f"the model `{model}` generates text and does not serve embeddings or scores; start "
+                          "jaxserve with an encoder model (a BERT / RoBERTa / XLM-RoBERTa sentence-transformers "
+                          "embedding model or cross-encoder)", "model", "model_not_supported")
+
+
+# ----------------------------------------------------------------------------- rerank and score
+
+class RerankRequest(_Req):
+    query: str
+    documents: list[str | dict[str, str]]
+    model: str | None = None
+    top_n: int | None = None
+    return_documents: bool | None = None
+    max_chunks_per_doc: int | None = None  # Cohere v1: accepted, documents are not chunked (they are cut)
+
+
+class ScoreRequest(_Req):
+    text_1: str | list[str]
+    text_2: str | list[str]
+    model: str | None = None
+    encoding_format: str | None = None  # vLLM accepts it; scores are plain numbers either way
+
+
+async def _scores(state, query: str, docs: list[str], param: str) -> tuple[np.ndarray, int]:
+    """(relevance of each doc to the query, tokens read): a cross-encoder's sigmoid over the pair, or
+    for an embedding model the cosine similarity of the two embeddings (as vLLM scores with them)."""
+    from jaxserve.engine.embedder import EmbeddingInputError, relevance
+
+    eng = state.engine
+    if not query:
+        raise bad_request("the query is empty", param)
+    if any(not d for d in docs):
+        raise bad_request("a document is empty", param)
+    try:
+        if eng.is_classifier:
+            pairs = eng.tokenizer.encode_pairs(query, docs, eng.cfg.max_seq_len)
+            logits = await _run(state, [p[0] for p in pairs], [p[1] for p in pairs])
+            return relevance(logits), sum(len(p[0]) for p in pairs)
+        ids = eng.tokenizer.encode_batch([query] + list(docs))
+        for i, x in enumerate(ids):
+            eng.check(x, "query" if i == 0 else f"documents[{i - 1}]")
+    except EmbeddingInputError as e:
+        raise bad_request(str(e), param) from None
+    vecs = await _run(state, ids)
+    norms = np.maximum(np.linalg.norm(vecs, axis=1), 1e-12)
+    unit = vecs / norms[:, None]
+    return (unit[1:] @ unit[0]).astype(np.float32), sum(len(x) for x in ids)
+
+
+async def rerank(request: web.Request, state, body) -> web.Response:
+    """Cohere / Jina style: documents ordered by relevance to the query."""
+    req = parse_request(RerankRequest, body)
+    model = state.check_model(req.model)
+    _need_encoder(state, model)
+    docs = [d if isinstance(d, str) else d.get("text") for d in req.documents]
+    if not docs or any(not isinstance(d, str) for d in docs):
+        raise bad_request("documents must be a non-empty list of strings or {\"text\": ...} objects", "documents")
+    if len(docs) > MAX_INPUTS:
+        raise bad_request(f"at most {MAX_INPUTS} documents per request, got {len(docs)}", "documents")
+    if req.top_n is not None and req.top_n < 1:
+        raise bad_request(f"top_n must be >= 1, got {req.top_n}", "top_n")
+    scores, n = await _scores(state, req.query, docs, "documents")
+    order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))[:req.top_n or len(docs)]
+    results = [{"index": i, "relevance_score": float(scores[i]),
+                **({"document": {"text": docs[i]}} if req.return_documents is not False else {})} for i in order]
+    return web.json_response({"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
+                              "usage": {"total_tokens": n}})
+
+
+async def score(request: web.Request, state, body) -> web.Response:
+    """vLLM's /score: text_1 against each of text_2 (one to many), or pairwise (two lists of one length)."""
+    req = parse_request(ScoreRequest, body)
+    model = state.check_model(req.model)
+    _need_encoder(state, model)
+    t1 = [req.text_1] if isinstance(req.text_1, str) else list(req.text_1)
+    t2 = [req.text_2] if isinstance(req.text_2, str) else list(req.text_2)
+    if not t1 or not t2:
+        raise bad_request("text_1 and text_2 must not be empty", "text_1" if not t1 else "text_2")
+    if len(t1) == 1:
+        t1 = t1 * len(t2)
+    if len(t1) != len(t2):
+        raise bad_request(f"text_1 has {len(t1)} texts and text_2 {len(t2)}: give one text_1, or lists of one "
+                          "length", "text_2")
+    if len(t2) > MAX_INPUTS:
+        raise bad_request(f"at most {MAX_INPUTS} pairs per request, got {len(t2)}", "text_2")
+    out, n = [], 0
+    # pairs that share their first text are scored together
+    groups: dict[str, list[int]] = {}
+    for i, a in enumerate(t1):
+        groups.setdefault(a, []).append(i)
+    scores = np.zeros(len(t2), np.float32)
+    for a, idx in groups.items():
+        s, k = await _scores(state, a, [t2[i] for i in idx], "text_2")
+        scores[idx] = s
+        n += k
+    out = [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)]
+    return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": model, "data": out, "usage": {"prompt_tokens": n, "total_tokens": n}})

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from jaxserve.server.chat import chat_completions
 from jaxserve.server.completions import completions
-from jaxserve.server.embeddings import embeddings
+from jaxserve.server.embeddings import embeddings, rerank, score
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
                                       parse_request)
@@ -110,6 +110,8 @@ def add_routes(app: web.Application) -> None:
     posts = {"/chat/completions": _json_endpoint(chat_completions),
              "/completions": _json_endpoint(completions),
              "/embeddings": _json_endpoint(embeddings),
+             "/rerank": _json_endpoint(rerank),
+             "/score": _json_endpoint(score),
              "/tokenize": _json_endpoint(tokenize),
              "/detokenize": _json_endpoint(detokenize)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics}
@@ -118,3 +120,4 @@ def add_routes(app: web.Application) -> None:
             app.router.add_post(prefix + path, h)
         for path, h in gets.items():
             app.router.add_get(prefix + path, h)
+    app.router.add_post("/v2/rerank", _json_endpoint(rerank))  # Cohere's v2 path
