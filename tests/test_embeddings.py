@@ -309,3 +309,53 @@ def test_rerank_and_score_endpoints(rerank_server, server, minilm):
     np.testing.assert_allclose(sorted((x["relevance_score"] for x in r["results"]), reverse=True),
                                np.sort(cos)[::-1], atol=1e-5)
     assert r["results"][0]["index"] == int(np.argmax(cos)) == 0  # "eating bread" is closest to "eating food"
+
+
+def test_checkpoint_variants(tmp_path):
+    """bf16 weights under a task prefix with the old gamma/beta LayerNorm names load and match; modules
+    that would change the vectors, several pooling modes, and a many-label cross-encoder are refused."""
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    torch.manual_seed(3)
+    cfg = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+               max_position_embeddings=64)
+    model = BertModel(BertConfig(**cfg), add_pooling_layer=False).eval()
+    d = tmp_path / "bf16"
+    model.save_pretrained(d, safe_serialization=True)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    sd = {"bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"):
+          v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(d / "model.safetensors"))
+    shutil.copy(ensure_minilm() / "tokenizer.json", d / "tokenizer.json")
+    eng = EmbeddingEngine(str(d), warmup=False)
+    ids = [101, 2023, 2003, 1037, 3231, 102]
+    model = model.to(torch.bfloat16).float()  # the reference with the same rounded weights
+    with torch.no_grad():
+        want = _hf_pool(model(input_ids=torch.tensor([ids])).last_hidden_state[0], "mean", True)
+    np.testing.assert_allclose(eng.embed([ids])[0], want, atol=1e-5)
+
+    from jaxserve.models.bert import EncoderConfigError
+
+    dense = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+             {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    (d / "1_Pooling").mkdir()
+    (d / "modules.json").write_text(json.dumps(dense))
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    with pytest.raises(EncoderConfigError, match="Dense"):
+        EmbeddingEngine(str(d), warmup=False)
+    (d / "modules.json").write_text(json.dumps(dense[:2]))
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True,
+                                                             "pooling_mode_max_tokens": True}))
+    with pytest.raises(EncoderConfigError, match="exactly one"):
+        EmbeddingEngine(str(d), warmup=False)
+    # a three-label classifier (NLI-style) loads, but cannot rerank
+    d3 = tmp_path / "nli"
+    BertForSequenceClassification(BertConfig(num_labels=3, **cfg)).save_pretrained(d3, safe_serialization=True)
+    shutil.copy(ensure_minilm() / "tokenizer.json", d3 / "tokenizer.json")
+    llm = LLM(str(d3))
+    assert llm.engine.cfg.num_labels == 3
+    with pytest.raises(EmbeddingInputError, match="one-label"):
+        llm.rerank("q", ["d"])

@@ -41,7 +41,9 @@ def is_embedding_model(model: str | None, revision: str | None = None) -> bool:
         snap = source._cached_snapshot(model, revision)  # no network when the config is cached
         if snap is not None and (snap / "config.json").is_file():
             return bert.is_encoder_dir(snap)
-        return bert.is_encoder_dir(source.resolve_model(model, revision=revision).model_dir)
+        from huggingface_hub import hf_hub_download  # the config alone, not the whole repo
+
+        return bert.is_encoder_dir(Path(hf_hub_download(model, "config.json", revision=revision)).parent)
     except Exception:
         return False
 

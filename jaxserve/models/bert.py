@@ -66,17 +66,25 @@ def _pooling(d: Path) -> tuple[str, bool]:
     if not modules.is_file():
         return "mean", True
     mods = json.loads(modules.read_text())
+    for m in mods:  # a Dense projection or any other module would change the vectors: refuse, not ignore
+        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in ("Transformer", "Pooling", "Normalize"):
+            raise EncoderConfigError(f"{modules}: sentence-transformers module {m.get('type')!r} is not "
+                                     "supported (only Transformer, Pooling, Normalize)")
     normalize = any(str(m.get("type", "")).endswith("Normalize") for m in mods)
     pool = next((m for m in mods if str(m.get("type", "")).endswith("Pooling")), None)
     if pool is None:
         return "cls", normalize
     pcfg = json.loads((d / pool.get("path", "") / "config.json").read_text())
-    for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
-                      ("pooling_mode_max_tokens", "max"), ("pooling_mode_lasttoken", "lasttoken")):
-        if pcfg.get(key):
-            return name, normalize
-    raise EncoderConfigError(f"{pool.get('path')}/config.json: no pooling mode this server implements "
-                             f"({', '.join(POOLING)})")
+    modes = [name for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
+                                    ("pooling_mode_max_tokens", "max"), ("pooling_mode_lasttoken", "lasttoken"))
+             if pcfg.get(key)]
+    others = [k for k, v in pcfg.items() if k.startswith("pooling_mode_") and v and k not in (
+        "pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens", "pooling_mode_lasttoken")]
+    if len(modes) != 1 or others:
+        raise EncoderConfigError(f"{pool.get('path')}/config.json: pooling {modes + others or 'none'}; this server "
+                                 f"implements exactly one of {', '.join(POOLING)}")
+    return modes[0], normalize
 
 
 def config_from_dir(d: str | Path) -> EncoderConfig:
@@ -136,27 +144,29 @@ def load_weights(d: str | Path, cfg: EncoderConfig, dtype=np.float32) -> dict:
     """The weights pytree (numpy): emb {word, pos, type, ln_w, ln_b}; layers {name: [L, ...]} with
     matrices as [in, out]. Accepts the bare encoder's names and those under a task head's prefix
     ("bert.", "roberta."), and the old LayerNorm gamma/beta names; a missing tensor is an error."""
-    from safetensors import safe_open
+    from jaxserve.loader.safetensors_loader import _map_tensor, read_header
 
     d = Path(d)
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise EncoderConfigError(f"{d}: no .safetensors weights")
-    raw = {}
+    where = {}  # our name -> (file, data start, checkpoint name, header entry); read only when needed
     for f in files:
-        with safe_open(str(f), "np") as fh:
-            for k in fh.keys():
-                name = k
-                for prefix in ("bert.", "roberta.", "model."):
-                    if name.startswith(prefix):
-                        name = name[len(prefix):]
-                name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-                raw[name] = fh.get_tensor(k)
+        start, header = read_header(f)
+        for k, info in header.items():
+            name = k
+            for prefix in ("bert.", "roberta.", "model."):
+                if name.startswith(prefix):
+                    name = name[len(prefix):]
+            name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+            where[name] = (f, start, k, info)
+    raw = {k: tuple(v[3]["shape"]) for k, v in where.items()}  # shapes, for error messages
 
     def get(name):
-        if name not in raw:
+        if name not in where:
             raise EncoderConfigError(f"{d}: tensor {name!r} is missing from the checkpoint")
-        return raw[name].astype(dtype)
+        f, start, k, info = where[name]
+        return _map_tensor(f, start, k, info).astype(dtype)  # f32 / f16 / bf16 files
 
     emb = {"word": get("embeddings.word_embeddings.weight"), "pos": get("embeddings.position_embeddings.weight"),
            "type": get("embeddings.token_type_embeddings.weight"),
@@ -184,7 +194,7 @@ def load_weights(d: str | Path, cfg: EncoderConfig, dtype=np.float32) -> dict:
         out["head"] = {"dense_w": get(dense + ".weight").T, "dense_b": get(dense + ".bias"),
                        "out_w": get(proj + ".weight").T, "out_b": get(proj + ".bias")}
         if out["head"]["out_w"].shape != (cfg.hidden_size, cfg.num_labels):
-            raise EncoderConfigError(f"{proj}.weight is {raw[proj + '.weight'].shape}, config says "
+            raise EncoderConfigError(f"{proj}.weight is {raw[proj + '.weight']}, config says "
                                      f"{cfg.num_labels} labels")
     return out
 

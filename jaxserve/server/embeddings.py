@@ -71,16 +71,24 @@ class EmbedBatcher:
                 n += len(job[0])
             try:
                 vecs = self.engine.run([ids for job in jobs for ids in job[0]], [t for job in jobs for t in job[1]])
-            except Exception as e:  # inputs were checked per request: a failure here is the engine's
+            except BaseException as e:  # inputs were checked per request: a failure here is the engine's
                 log.exception("embedding batch failed")
                 for *_, fut, loop in jobs:
-                    loop.call_soon_threadsafe(lambda f=fut, err=e: f.done() or f.set_exception(err))
+                    _hand(loop, lambda f=fut, err=e: f.done() or f.set_exception(RuntimeError(str(err))))
                 continue
             start = 0
             for ids, _, fut, loop in jobs:
                 part = vecs[start:start + len(ids)]
                 start += len(ids)
-                loop.call_soon_threadsafe(lambda f=fut, v=part: f.done() or f.set_result(v))
+                _hand(loop, lambda f=fut, v=part: f.done() or f.set_result(v))
+
+
+def _hand(loop, fn) -> None:
+    """Deliver a result to a request's event loop; a loop that is gone (shutdown) must not end the thread."""
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:
+        log.debug("embedding result for a closed event loop dropped")
 
 
 def _inputs(state, req: EmbeddingRequest) -> list[list[int]]:
@@ -119,7 +127,8 @@ async def embeddings(request: web.Request, state, body) -> web.Response:
     if req.dimensions is not None and req.dimensions != dim:
         raise bad_request(f"dimensions: this model's embeddings have {dim} dimensions and cannot be shortened",
                           "dimensions", "unsupported_parameter")
-    ids = _inputs(state, req)
+    # tokenizing and checking up to 2048 inputs: off the event loop
+    ids = await asyncio.get_running_loop().run_in_executor(None, _inputs, state, req)
     vecs = await _run(state, ids)
     b64 = req.encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
@@ -169,6 +178,9 @@ async def _scores(state, query: str, docs: list[str], param: str) -> tuple[np.nd
     from jaxserve.engine.embedder import EmbeddingInputError, relevance
 
     eng = state.engine
+    if eng.is_classifier and eng.cfg.num_labels != 1:
+        raise bad_request(f"this cross-encoder has {eng.cfg.num_labels} labels; rerank and score need a "
+                          "one-label model (a relevance logit)", "model", "model_not_supported")
     if not query:
         raise bad_request("the query is empty", param)
     if any(not d for d in docs):
@@ -202,6 +214,7 @@ async def rerank(request: web.Request, state, body) -> web.Response:
     if req.top_n is not None and req.top_n < 1:
         raise bad_request(f"top_n must be >= 1, got {req.top_n}", "top_n")
     scores, n = await _scores(state, req.query, docs, "documents")
+    state.metrics.prompt_tokens.inc(n)
     order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))[:req.top_n or len(docs)]
     results = [{"index": i, "relevance_score": float(scores[i]),
                 **({"document": {"text": docs[i]}} if req.return_documents is not False else {})} for i in order]
@@ -235,6 +248,7 @@ async def score(request: web.Request, state, body) -> web.Response:
         s, k = await _scores(state, a, [t2[i] for i in idx], "text_2")
         scores[idx] = s
         n += k
+    state.metrics.prompt_tokens.inc(n)
     out = [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)]
     return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                               "model": model, "data": out, "usage": {"prompt_tokens": n, "total_tokens": n}})
