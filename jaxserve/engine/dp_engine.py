@@ -159,6 +159,8 @@ class DataParallelEngine:
         del parts
         first = self.replicas[0]
         self.cfg, self.tokenizer, self.ecfg = first.cfg, first.tokenizer, first.ecfg
+        for e in self.replicas[1:]:  # structured output: one compiler (its grammar cache) for all replicas
+            e._grammar = first.grammar_compiler
         self.scheduler = _SchedulerView(self.replicas)
         self.text_states = _MergedStates(self.replicas)
         self._where: dict[str, int] = {}  # request id -> replica index
@@ -179,11 +181,7 @@ class DataParallelEngine:
 
     @property
     def grammar_compiler(self):
-        """Structured output's compiler, one for all replicas (same tokenizer and vocabulary)."""
-        g = self.replicas[0].grammar_compiler
-        for e in self.replicas[1:]:
-            e._grammar = g
-        return g
+        return self.replicas[0].grammar_compiler  # shared by every replica (__init__)
 
     def _cached_blocks(self, e: LLMEngine, chain: list[bytes]) -> int:
         """How many leading full blocks of the prompt this replica's prefix cache holds."""

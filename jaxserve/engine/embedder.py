@@ -53,6 +53,12 @@ def relevance(logits: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-logits[:, 0].astype(np.float64)))).astype(np.float32)
 
 
+def cosine_to_first(vecs: np.ndarray) -> np.ndarray:
+    """Cosine similarity of rows 1.. to row 0 (a query's embedding first, then its documents'), f32 [n - 1]."""
+    unit = vecs / np.maximum(np.linalg.norm(vecs, axis=1), 1e-12)[:, None]
+    return (unit[1:] @ unit[0]).astype(np.float32)
+
+
 class EmbeddingInputError(ValueError):
     """An input this model cannot embed (empty, too long, out-of-vocabulary ids): the caller's fault."""
 
@@ -176,7 +182,6 @@ class EmbeddingEngine:
         self._fn = jax.jit(lambda w, ids, types, mask: bert.embed(self.cfg, w, ids, types, mask))
         self.width = self.cfg.num_labels or self.dim  # a row of output: labels' logits or the embedding
         self._exe: dict[tuple[int, int], object] = {}
-        self.num_batches = 0
         if warmup:
             self.warmup()
 
@@ -263,11 +268,5 @@ class EmbeddingEngine:
                 exe = self._exe[(B, T)] = self._compile((B, T))
             vecs = np.asarray(exe(self.weights, ids, tt, mask))
             out[rows] = vecs[:len(rows)]
-            self.num_batches += 1
         return out
 
-    def embed_texts(self, texts: list[str]) -> np.ndarray:
-        return self.embed(self.tokenizer.encode_batch(list(texts)))
-
-    def stats(self) -> dict:
-        return {"num_batches": self.num_batches}

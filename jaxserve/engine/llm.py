@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence as Seq
 
-import numpy as np
-
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.sampling_params import SamplingParams
@@ -128,8 +126,9 @@ class LLM:
             raise ValueError("rerank needs an encoder model (a cross-encoder or an embedding model)")
         if eng.is_classifier:
             return eng.score(eng.tokenizer.encode_pairs(query, list(documents), eng.cfg.max_seq_len))
-        v = self.embed([query] + list(documents))
-        return (v[1:] @ v[0] / (np.linalg.norm(v[1:], axis=1) * np.linalg.norm(v[0]) + 1e-12)).astype(np.float32)
+        from jaxserve.engine.embedder import cosine_to_first
+
+        return cosine_to_first(self.embed([query] + list(documents)))
 
     def _need_generative(self) -> None:
         if getattr(self.engine, "is_embedding", False):

@@ -15,6 +15,7 @@ batch lose multi-step decoding while it runs; their tokens are the same).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -72,8 +73,10 @@ class StructuredOutput:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    def to_grammar(self) -> str:
-        """llguidance's grammar text for this constraint."""
+    @functools.cached_property
+    def grammar_text(self) -> str:
+        """llguidance's grammar text for this constraint, made once per spec (the server, the engine's
+        checks and each sequence's matcher all ask for it)."""
         llg = _llguidance()
         # overrides, not defaults: a schema's own "x-guidance" options must not lift the bound
         opts = {"whitespace_pattern": JSON_WHITESPACE}
@@ -179,7 +182,7 @@ class GrammarCompiler:
         prompts, the engine's checks after the server's — is a copy (~1 us), not a compile (a large
         enum: ~0.3 s)."""
         try:
-            grammar = spec.to_grammar()
+            grammar = spec.grammar_text
         except (ValueError, RecursionError, TypeError) as e:
             if isinstance(e, StructuredOutputError):
                 raise

@@ -175,7 +175,7 @@ class ScoreRequest(_Req):
 async def _scores(state, query: str, docs: list[str], param: str) -> tuple[np.ndarray, int]:
     """(relevance of each doc to the query, tokens read): a cross-encoder's sigmoid over the pair, or
     for an embedding model the cosine similarity of the two embeddings (as vLLM scores with them)."""
-    from jaxserve.engine.embedder import EmbeddingInputError, relevance
+    from jaxserve.engine.embedder import EmbeddingInputError, cosine_to_first, relevance
 
     eng = state.engine
     if eng.is_classifier and eng.cfg.num_labels != 1:
@@ -195,10 +195,7 @@ async def _scores(state, query: str, docs: list[str], param: str) -> tuple[np.nd
             eng.check(x, "query" if i == 0 else f"documents[{i - 1}]")
     except EmbeddingInputError as e:
         raise bad_request(str(e), param) from None
-    vecs = await _run(state, ids)
-    norms = np.maximum(np.linalg.norm(vecs, axis=1), 1e-12)
-    unit = vecs / norms[:, None]
-    return (unit[1:] @ unit[0]).astype(np.float32), sum(len(x) for x in ids)
+    return cosine_to_first(await _run(state, ids)), sum(len(x) for x in ids)
 
 
 async def rerank(request: web.Request, state, body) -> web.Response:
