@@ -27,6 +27,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--yarn-scaling-factor", type=float, default=None)
+    g.add_argument("--task", choices=["auto", "generate", "embed", "classify"], default="auto",
+                   help="what to serve a decoder model as: generate text, or pool it into embeddings "
+                        "(/v1/embeddings) or classifier scores (/classify, /rerank, /score). auto: an "
+                        "encoder, a checkpoint with sentence-transformers pooling files, a bare *Model or "
+                        "a *ForSequenceClassification pools; anything else generates")
+    g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="config.json fields to replace for a pooling model, as vLLM: architectures, "
+                        "classifier_from_token, is_original_qwen3_reranker, method (Qwen3-Reranker: "
+                        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}')")
     g.add_argument("--isq", default=None, metavar="FMT",
                    help="quantize dense matmul weights at load: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k")
     g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
@@ -73,6 +83,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps' dense q/k/v, o and down matmuls as Pallas GEMVs that pass split-K "
                         "partials to the next kernel and fuse the MLP activation (one GPU; auto: off)")
     e.add_argument("--seed", type=int, default=None)
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("a JSON object is expected")
+    return v
 
 
 def _on_gpu() -> bool:
@@ -137,7 +159,8 @@ def _make_llm(args):
                    num_nodes=k["num_nodes"], node_rank=k["node_rank"], master_addr=k["master_addr"],
                    master_port=k["master_port"])
     return LLM(args.model, file=args.file, weights_file=args.weights_path,
-               yarn_scaling_factor=args.yarn_scaling_factor, **par,
+               yarn_scaling_factor=args.yarn_scaling_factor, task=getattr(args, "task", "auto"),
+               hf_overrides=getattr(args, "hf_overrides", None), **par,
                **{k: getattr(ecfg, k) for k in ecfg.__dataclass_fields__
                   if k not in ("token_buckets", "seq_buckets")})
 

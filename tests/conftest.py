@@ -196,7 +196,15 @@ SERVER_CONFIGS = {
                   args=lambda: ["--model", str(_minilm()), "--served-model-name", "minilm"]),
     # a tiny random cross-encoder (model_files.tiny_cross_encoder): /rerank and /score
     "rerank": dict(used_by=("test_embeddings",), args=lambda: ["--model", str(_cross_encoder())]),
+    # a tiny random Qwen3 causal LM served as a reranker through vLLM's Qwen3-Reranker overrides
+    "classify": dict(used_by=("test_decoder_pooling",), args=lambda: _qwen3_reranker_args()),
 }
+
+
+def _qwen3_reranker_args():
+    from model_files import QWEN3_RERANKER_OVERRIDES, tiny_qwen3_causal
+
+    return ["--model", str(tiny_qwen3_causal()), "--hf-overrides", json.dumps(QWEN3_RERANKER_OVERRIDES)]
 
 
 def _cross_encoder():

@@ -61,11 +61,16 @@ def _config(family: str, overrides: dict):
     return cls(**kw)
 
 
+HEADS = {"causal": "AutoModelForCausalLM", "base": "AutoModel", "seqcls": "AutoModelForSequenceClassification"}
+
+
 def make_tiny_model(family: str, tmp_path, dtype: str = "float32", shards: int = 1, seed: int = 0,
-                    std: float = 0.2, **overrides) -> Path:
-    """Build, randomize and save a tiny `family` model under tmp_path/<family>[-<dtype>][-s<shards>].
+                    std: float = 0.2, head: str = "causal", **overrides) -> Path:
+    """Build, randomize and save a tiny `family` model under tmp_path/<family>[-<dtype>][-s<shards>][-<head>].
 
     `overrides` go to the transformers config (e.g. num_hidden_layers=3, tie_word_embeddings=False).
+    head: "causal" (…ForCausalLM), "base" (the bare …Model, saved without the "model." prefix, as
+    embedding models ship) or "seqcls" (…ForSequenceClassification; num_labels in overrides).
     """
     import torch
     import transformers as tf
@@ -74,7 +79,7 @@ def make_tiny_model(family: str, tmp_path, dtype: str = "float32", shards: int =
     tf.utils.logging.disable_progress_bar()
     cfg = _config(family, overrides)
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
+    model = getattr(tf, HEADS[head]).from_config(cfg).float().eval()
     gemma = family.startswith("gemma")
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -87,10 +92,11 @@ def make_tiny_model(family: str, tmp_path, dtype: str = "float32", shards: int =
                 p.copy_(0.2 * noise)
             else:
                 p.copy_(std * noise)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and head == "causal":
         model.tie_weights()
     model = model.to(getattr(torch, dtype))
-    name = family + ("" if dtype == "float32" else f"-{dtype}") + ("" if shards == 1 else f"-s{shards}")
+    name = family + ("" if dtype == "float32" else f"-{dtype}") + ("" if shards == 1 else f"-s{shards}") + \
+        ("" if head == "causal" else f"-{head}")
     out = Path(tmp_path) / name
     if shards > 1:
         total = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -70,3 +70,21 @@ def tiny_cross_encoder() -> Path:
     model.save_pretrained(d, safe_serialization=True)
     shutil.copy(ensure_minilm() / "tokenizer.json", d / "tokenizer.json")
     return d
+
+
+QWEN3_RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["n", "y"],
+                            "is_original_qwen3_reranker": True}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_qwen3_causal() -> Path:
+    """A tiny random Qwen3ForCausalLM with a byte-level tokenizer (one token per byte), made once per
+    test process: served with vLLM's Qwen3-Reranker overrides (QWEN3_RERANKER_OVERRIDES; "n" / "y"
+    stand for Qwen3-Reranker's "no" / "yes" tokens) by the decoder-pooling tests."""
+    import tempfile
+
+    from hf_tiny import make_tiny_model
+    from tiny_tokenizer import add_byte_tokenizer
+
+    d = make_tiny_model("qwen3", tempfile.mkdtemp(prefix="jaxserve-tiny-qwen3-"))
+    return add_byte_tokenizer(d)

@@ -25,32 +25,74 @@ MIN_LEN_BUCKET = 16
 BATCH_BUCKETS = (1, 4, 16, 64)
 
 
-def is_embedding_model(model: str | None, revision: str | None = None) -> bool:
-    """Whether `model` (a local directory or a Hub id) is an encoder this engine embeds with. Anything
-    that does not resolve says False: the generative path then reports the problem."""
-    if not model or model.startswith("random:") or model.endswith(".gguf"):
-        return False
+def pooling_task(model: str | None, revision: str | None = None, task: str | None = None,
+                 hf_overrides: dict | None = None) -> str | None:
+    """What `model` (a local directory or a Hub id) is served as: "encoder" (BERT / RoBERTa /
+    XLM-RoBERTa), "embed" or "classify" (a decoder pooling model, models/decoder_pooling.py), or None
+    (a generative model). task: "generate", "embed" or "classify" overrides the detection for a
+    decoder; None or "auto" detects. Anything that does not resolve says None: the generative path
+    then reports the problem."""
+    from jaxserve.models import decoder_pooling
+
+    if task == "generate" or not model or model.startswith("random:") or model.endswith(".gguf"):
+        return None
+    d = _config_dir(model, revision)
+    if d is None:
+        return None
+    if bert.is_encoder_dir(d):
+        return "encoder"
+    if task in ("embed", "classify"):
+        return task
+    return decoder_pooling.pooling_task(d, hf_overrides)
+
+
+def _config_dir(model: str, revision: str | None) -> Path | None:
+    """A directory holding the model's config.json (and its sentence-transformers files), fetched alone
+    for a Hub id that is not cached; None when there is none."""
     path = Path(model).expanduser()
     if path.is_dir():
-        return bert.is_encoder_dir(path)
+        return path if (path / "config.json").is_file() else None
     if path.exists():
-        return False
+        return None
     try:
         from jaxserve.loader import source
 
         snap = source._cached_snapshot(model, revision)  # no network when the config is cached
         if snap is not None and (snap / "config.json").is_file():
-            return bert.is_encoder_dir(snap)
+            return snap
         from huggingface_hub import hf_hub_download  # the config alone, not the whole repo
 
-        return bert.is_encoder_dir(Path(hf_hub_download(model, "config.json", revision=revision)).parent)
+        d = Path(hf_hub_download(model, "config.json", revision=revision)).parent
+        for name in source.EMBEDDING_FILES:  # the pooling files decide a decoder's task
+            try:
+                hf_hub_download(model, name, revision=revision)
+            except Exception:
+                pass  # not every model has them
+        return d
     except Exception:
-        return False
+        return None
+
+
+def is_embedding_model(model: str | None, revision: str | None = None, task: str | None = None,
+                       hf_overrides: dict | None = None) -> bool:
+    """Whether `model` is served by EmbeddingEngine (embeddings, rerank, score, classify) rather than
+    generated with."""
+    return pooling_task(model, revision, task, hf_overrides) is not None
 
 
 def relevance(logits: np.ndarray) -> np.ndarray:
     """A one-label cross-encoder's logits [n, 1] -> scores in (0, 1)."""
     return (1.0 / (1.0 + np.exp(-logits[:, 0].astype(np.float64)))).astype(np.float32)
+
+
+def class_probs(logits: np.ndarray) -> np.ndarray:
+    """A classifier's logits [n, labels] -> probabilities: softmax over the labels, or for one label its
+    sigmoid (as vLLM's /classify)."""
+    x = logits.astype(np.float64)
+    if x.shape[1] == 1:
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def cosine_to_first(vecs: np.ndarray) -> np.ndarray:
@@ -139,22 +181,38 @@ class EmbeddingEngine:
     is_embedding = True
 
     def __init__(self, model: str, *, dtype: str = "float32", max_batch_tokens: int = 8192,
-                 max_model_len: int | None = None, warmup: bool = True, revision: str | None = None):
+                 max_model_len: int | None = None, warmup: bool = True, revision: str | None = None,
+                 task: str | None = None, hf_overrides: dict | None = None):
+        """task: for a decoder checkpoint, "embed" or "classify" (None: detected, see pooling_task);
+        hf_overrides: config.json fields replaced (vLLM's Qwen3-Reranker recipe, decoder_pooling.OVERRIDE_KEYS)."""
         from jaxserve.loader import source
+        from jaxserve.models import decoder_pooling
 
         t0 = time.perf_counter()
         res = source.resolve_model(model, revision=revision)
         d = res.model_dir
-        self.cfg = bert.config_from_dir(d)
-        if max_model_len is not None:
-            if max_model_len > self.cfg.max_seq_len:
-                raise ValueError(f"max_model_len {max_model_len} exceeds the model's {self.cfg.max_seq_len} tokens")
-            self.cfg = dataclasses.replace(self.cfg, max_seq_len=int(max_model_len))
         tok_file = (res.tokenizer_dir or d) / "tokenizer.json"
         if not tok_file.is_file():
             raise bert.EncoderConfigError(f"{d}: an embedding model needs tokenizer.json")
-        self._setup(model, EncoderTokenizer(tok_file), bert.load_weights(d, self.cfg, np.dtype(dtype)),
-                    max_batch_tokens, t0, warmup)
+        tokenizer = EncoderTokenizer(tok_file)
+        if bert.is_encoder_dir(d):
+            if hf_overrides:
+                raise ValueError("hf_overrides apply to decoder models only")
+            self.cfg = bert.config_from_dir(d)
+            if max_model_len is not None:
+                if max_model_len > self.cfg.max_seq_len:
+                    raise ValueError(f"max_model_len {max_model_len} exceeds the model's {self.cfg.max_seq_len} tokens")
+                self.cfg = dataclasses.replace(self.cfg, max_seq_len=int(max_model_len))
+            weights, forward = bert.load_weights(d, self.cfg, np.dtype(dtype)), bert.embed
+        else:
+            task = task if task in ("embed", "classify") else decoder_pooling.pooling_task(d, hf_overrides)
+            if task is None:
+                raise decoder_pooling.DecoderPoolingError(
+                    f"{model} is a generative model; to pool with it pass task 'embed' or 'classify' (--task)")
+            self.cfg = decoder_pooling.config_from_dir(d, task, hf_overrides, max_model_len)
+            weights = decoder_pooling.load_weights(d, self.cfg, dtype, tokenizer.backend.token_to_id)
+            forward = decoder_pooling.embed
+        self._setup(model, tokenizer, weights, max_batch_tokens, t0, warmup, forward)
 
     @classmethod
     def random(cls, preset: str, *, dtype: str = "float32", max_batch_tokens: int = 8192,
@@ -163,10 +221,10 @@ class EmbeddingEngine:
         self = cls.__new__(cls)
         self.cfg = bert.preset(preset)
         self._setup(f"random:{preset}", None, bert.random_weights(self.cfg, dtype=np.dtype(dtype)),
-                    max_batch_tokens, time.perf_counter(), warmup)
+                    max_batch_tokens, time.perf_counter(), warmup, bert.embed)
         return self
 
-    def _setup(self, name, tokenizer, weights, max_batch_tokens, t0, warmup) -> None:
+    def _setup(self, name, tokenizer, weights, max_batch_tokens, t0, warmup, forward) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -179,7 +237,7 @@ class EmbeddingEngine:
         self.max_batch_tokens = int(max_batch_tokens)
         self.buckets = [(b, t) for t in length_buckets(self.cfg.max_seq_len) for b in BATCH_BUCKETS
                         if b == 1 or b * t <= self.max_batch_tokens]
-        self._fn = jax.jit(lambda w, ids, types, mask: bert.embed(self.cfg, w, ids, types, mask))
+        self._fn = jax.jit(lambda w, ids, types, mask: forward(self.cfg, w, ids, types, mask))
         self.width = self.cfg.num_labels or self.dim  # a row of output: labels' logits or the embedding
         self._exe: dict[tuple[int, int], object] = {}
         if warmup:
@@ -224,12 +282,27 @@ class EmbeddingEngine:
     def is_classifier(self) -> bool:
         return self.cfg.num_labels > 0
 
+    @property
+    def routes(self) -> str:
+        """What a server of this model answers (for messages)."""
+        if not self.is_classifier:
+            return "/v1/embeddings, /v1/rerank, /v1/score"
+        return "/v1/classify, /v1/rerank, /v1/score" if self.cfg.num_labels == 1 else "/v1/classify"
+
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """float32 [len(inputs), dim], row i for inputs[i]. Inputs are checked first (EmbeddingInputError)."""
         if self.is_classifier:
-            raise EmbeddingInputError("this model is a cross-encoder (sequence classification): it scores text "
-                                      "pairs (rerank / score), it does not embed", "model")
+            raise EmbeddingInputError("this model is a sequence classifier (a cross-encoder / reranker): it "
+                                      "classifies and scores text pairs (classify, rerank, score), it does not "
+                                      "embed", "model")
         return self.run(inputs)
+
+    def classify(self, inputs: list[list[int]]) -> np.ndarray:
+        """Class probabilities float32 [len(inputs), num_labels] of a classifier (class_probs)."""
+        if not self.is_classifier:
+            raise EmbeddingInputError("this model embeds; classification needs a sequence-classification model",
+                                      "model")
+        return class_probs(self.run(inputs))
 
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> np.ndarray:
         """Relevance of encoded text pairs (ids, token types), float32 [n]: a one-label cross-encoder's
@@ -248,11 +321,15 @@ class EmbeddingEngine:
             types = None  # RoBERTa-style: one segment whatever the tokenizer's pair template says
         out = np.zeros((len(inputs), self.width), np.float32)
         order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        lens = length_buckets(self.cfg.max_seq_len)
+        bucket_of = [next(t for t in lens if t >= len(inputs[i])) for i in order]
         pos = 0
         while pos < len(order):
-            # the longest remaining input fixes the length bucket; as many as that bucket's largest batch holds
-            B, T = self._bucket(len(order) - pos, len(inputs[order[pos]]))
-            rows = order[pos:pos + B]
+            # the longest remaining input fixes the length bucket; a batch holds inputs of that bucket only
+            # (a short input is not padded to a long one's length), as many as its largest batch holds
+            same = bucket_of[pos:].count(bucket_of[pos])
+            B, T = self._bucket(same, len(inputs[order[pos]]))
+            rows = order[pos:pos + min(B, same)]
             pos += len(rows)
             ids = np.zeros((B, T), np.int32)
             tt = np.zeros((B, T), np.int32)

@@ -63,25 +63,35 @@ class LLM:
                  weights_file: str | None = None, yarn_scaling_factor: float | None = None,
                  tensor_parallel_size: int | None = 1, devices=None, data_parallel_size: int = 1,
                  num_nodes: int = 1, node_rank: int = 0, master_addr: str = "127.0.0.1",
-                 master_port: int = 29500, revision: str | None = None, **engine_kwargs: Any):
+                 master_port: int = 29500, revision: str | None = None, task: str = "auto",
+                 hf_overrides: dict | None = None, **engine_kwargs: Any):
         """devices: jax devices, or device ids of this host ("0,1" or [0, 1]); tensor_parallel_size=None
         uses all of them. data_parallel_size: replicas of tensor_parallel_size devices each (DataParallelEngine).
         num_nodes > 1: multi-host through jax.distributed; on node_rank > 0 the constructor runs rank 0's
-        steps until rank 0 exits, then returns an LLM with `is_follower` set and no engine."""
+        steps until rank 0 exits, then returns an LLM with `is_follower` set and no engine.
+        task: "auto", "generate", "embed" or "classify" (see embedder.pooling_task); hf_overrides:
+        config.json fields replaced for a pooling model (models/decoder_pooling.OVERRIDE_KEYS)."""
         unknown = set(engine_kwargs) - _ENGINE_KEYS
         if unknown:
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; known: {sorted(_ENGINE_KEYS)}")
+        if task not in ("auto", "generate", "embed", "classify"):
+            raise ValueError(f"task must be auto, generate, embed or classify, got {task!r}")
         by_id = isinstance(devices, str) or (bool(devices) and isinstance(list(devices)[0], int))
         from jaxserve.engine.embedder import EmbeddingEngine, is_embedding_model
 
-        if is_embedding_model(model, revision):  # an encoder (BERT, RoBERTa...): `embed` only
+        if is_embedding_model(model, revision, task, hf_overrides):  # embed / rerank / score / classify only
             if (tensor_parallel_size or 1) != 1 or data_parallel_size != 1 or num_nodes != 1:
                 raise ValueError("embedding models run on one device")
             kw = {k: engine_kwargs[k] for k in ("dtype", "max_model_len") if k in engine_kwargs}
-            self.engine = EmbeddingEngine(model, revision=revision, **kw)
+            self.engine = EmbeddingEngine(model, revision=revision, task=task, hf_overrides=hf_overrides, **kw)
             self.is_follower, self.tokenizer = False, self.engine.tokenizer
             self._ids = itertools.count()
             return
+        if hf_overrides:
+            raise ValueError("hf_overrides apply to pooling models (task embed or classify) only")
+        if task in ("embed", "classify"):
+            raise ValueError(f"{model}: task {task!r} needs a Hugging Face safetensors directory or Hub id "
+                             "with tokenizer.json")
         if (data_parallel_size == 1 and num_nodes == 1 and revision is None and not by_id
                 and tensor_parallel_size is not None):
             self.engine = LLMEngine(model, engine_config=EngineConfig(**engine_kwargs), file=file,
@@ -112,18 +122,33 @@ class LLM:
         or token-id lists), in order; normalized when the model's pooling config says so."""
         if not getattr(self.engine, "is_embedding", False):
             raise ValueError("this model generates text; embeddings need an embedding model (BERT, RoBERTa, "
-                             "XLM-RoBERTa sentence-transformers checkpoints)")
+                             "XLM-RoBERTa sentence-transformers checkpoints, decoder ones such as Qwen3-Embedding, "
+                             "or task='embed')")
+        return self.engine.embed(self._token_lists(inputs))
+
+    def _token_lists(self, inputs) -> list[list[int]]:
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
-        ids = [self.engine.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
-        return self.engine.embed(ids)
+        return [self.engine.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+
+    def classify(self, inputs: str | list[str] | list[int] | list[list[int]]):
+        """Class probabilities of a sequence-classification model, float32 numpy [n, labels] (softmax;
+        a one-label model's sigmoid), one row per input; the labels' names are `LLM.labels`."""
+        if not getattr(self.engine, "is_classifier", False):
+            raise ValueError("classify needs a sequence-classification model (*ForSequenceClassification)")
+        return self.engine.classify(self._token_lists(inputs))
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """A classifier's label names (config id2label), in the order of classify's columns."""
+        return tuple(getattr(getattr(self.engine, "cfg", None), "labels", ()) or ())
 
     def rerank(self, query: str, documents: list[str]):
         """Relevance of each document to the query, float32 numpy [n] in the documents' order: a
         cross-encoder's score in (0, 1), or an embedding model's cosine similarity."""
         eng = self.engine
         if not getattr(eng, "is_embedding", False):
-            raise ValueError("rerank needs an encoder model (a cross-encoder or an embedding model)")
+            raise ValueError("rerank needs a pooling model (a cross-encoder / reranker or an embedding model)")
         if eng.is_classifier:
             return eng.score(eng.tokenizer.encode_pairs(query, list(documents), eng.cfg.max_seq_len))
         from jaxserve.engine.embedder import cosine_to_first

@@ -66,10 +66,11 @@ class ModelSource:
 
 def open_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
                yarn_scaling_factor: float | None = None, revision: str | None = None,
-               packed: bool = False) -> ModelSource:
+               packed: bool = False, lm_head: bool = True) -> ModelSource:
     """Resolve a model source (anything load_model accepts) into its config, tokenizer and tensor stream.
     packed: the stream may carry packed QWeights (GGUF block types, a checkpoint's quantized weights);
-    otherwise every tensor comes dense."""
+    otherwise every tensor comes dense. lm_head False: the output projection is neither needed nor
+    read (pooling models; the config then says tied, so none is expected)."""
     import dataclasses
 
     from jaxserve.loader import source
@@ -123,7 +124,7 @@ def open_model(model: str | None, *, file: str | None = None, weights_file: str 
             max_position_embeddings=int(cfg.max_position_embeddings * yarn_scaling_factor))
     # The tokenizer knows end-of-turn tokens the model config may not list.
     eos = tuple(dict.fromkeys(list(cfg.eos_token_ids) + sorted(tok.eos_token_ids)))
-    cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    cfg = dataclasses.replace(cfg, eos_token_ids=eos, tie_word_embeddings=cfg.tie_word_embeddings or not lm_head)
     return ModelSource(cfg, tok, lambda: tensors(cfg), res.kind, generation_defaults=gen_defaults,
                        tokenizer_dir=res.tokenizer_dir, model_dir=res.model_dir, gguf_readers=readers,
                        prequantized=prequantized)
@@ -133,7 +134,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                dtype: str = "float32",
                yarn_scaling_factor: float | None = None, revision: str | None = None,
                tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
-               isq: str | None = None) -> LoadedModel:
+               isq: str | None = None, lm_head: bool = True) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device.
 
     tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
@@ -159,7 +160,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     if model and model.startswith(RANDOM_PREFIX):
         return random_model(model[len(RANDOM_PREFIX):], dtype=dtype, tp=tp, devices=devices, dp=dp)
     src = open_model(model, file=file, weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
-                     revision=revision, packed=packed)
+                     revision=revision, packed=packed, lm_head=lm_head)
     if isq and src.prequantized:
         log.warning("%s is already quantized (%s): isq=%s is ignored", model, src.prequantized, isq)
         isq = None

@@ -142,10 +142,18 @@ def _map_tensor(path: Path, data_start: int, name: str, info: dict, dtypes: dict
     return np.memmap(path, dtype=dtype, mode="r", offset=data_start + lo, shape=shape).view(np.ndarray)
 
 
+# A bare base model's names (LlamaModel / Qwen3Model saved alone, as Qwen3-Embedding ships): no "model.".
+_BARE = re.compile(r"^(layers\.\d+\.|embed_tokens\.weight$|norm\.weight$)")
+# A sequence-classification head (*ForSequenceClassification): read by models/decoder_pooling.py.
+SCORE_HEAD = ("score.weight", "score.bias")
+
+
 def _normalize(name: str) -> str | None:
     """HF name -> the plain causal-LM name (`model.…` / `lm_head.weight`), or None to ignore the tensor."""
-    if _IGNORED.search(name):
+    if _IGNORED.search(name) or name in SCORE_HEAD:
         return None
+    if _BARE.match(name):
+        return "model." + name
     if name.startswith("model.language_model."):  # Gemma 3 multimodal, transformers >= 4.52
         return "model." + name[len("model.language_model."):]
     if name.startswith("language_model."):  # Gemma 3 multimodal, older layout

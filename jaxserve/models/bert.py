@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.models.pooling import POOLING, PoolingConfigError, pool_rows, read_pooling  # noqa: F401
+
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
-POOLING = ("mean", "cls", "max", "lasttoken")
 _ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu", "swish")
 
 
@@ -42,6 +43,7 @@ class EncoderConfig:
     normalize: bool = True
     max_seq_len: int = 512  # longest input (tokens, special ones included)
     num_labels: int = 0  # > 0: a sequence-classification head (cross-encoder / reranker), no pooling
+    labels: tuple[str, ...] = ()  # the head's label names (config id2label), when it has them
 
     @property
     def position_offset(self) -> int:
@@ -59,34 +61,6 @@ def is_encoder_dir(d: Path) -> bool:
         return False
 
 
-def _pooling(d: Path) -> tuple[str, bool]:
-    """(pooling, normalize) from sentence-transformers' modules.json / pooling config; without them
-    mean pooling, normalized (what OpenAI's embeddings are)."""
-    modules = d / "modules.json"
-    if not modules.is_file():
-        return "mean", True
-    mods = json.loads(modules.read_text())
-    for m in mods:  # a Dense projection or any other module would change the vectors: refuse, not ignore
-        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
-        if kind not in ("Transformer", "Pooling", "Normalize"):
-            raise EncoderConfigError(f"{modules}: sentence-transformers module {m.get('type')!r} is not "
-                                     "supported (only Transformer, Pooling, Normalize)")
-    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in mods)
-    pool = next((m for m in mods if str(m.get("type", "")).endswith("Pooling")), None)
-    if pool is None:
-        return "cls", normalize
-    pcfg = json.loads((d / pool.get("path", "") / "config.json").read_text())
-    modes = [name for key, name in (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
-                                    ("pooling_mode_max_tokens", "max"), ("pooling_mode_lasttoken", "lasttoken"))
-             if pcfg.get(key)]
-    others = [k for k, v in pcfg.items() if k.startswith("pooling_mode_") and v and k not in (
-        "pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens", "pooling_mode_lasttoken")]
-    if len(modes) != 1 or others:
-        raise EncoderConfigError(f"{pool.get('path')}/config.json: pooling {modes + others or 'none'}; this server "
-                                 f"implements exactly one of {', '.join(POOLING)}")
-    return modes[0], normalize
-
-
 def config_from_dir(d: str | Path) -> EncoderConfig:
     d = Path(d)
     c = json.loads((d / "config.json").read_text())
@@ -99,12 +73,15 @@ def config_from_dir(d: str | Path) -> EncoderConfig:
     if act not in _ACTS:
         raise EncoderConfigError(f"hidden_act {act!r} is not supported ({', '.join(_ACTS)})")
     archs = c.get("architectures") or []
-    num_labels = 0
+    num_labels, labels = 0, ()
     if any(a.endswith("ForSequenceClassification") for a in archs):
-        num_labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
+        num_labels, labels = head_labels(c)
         pooling, normalize = "cls", False
     else:
-        pooling, normalize = _pooling(d)
+        try:
+            pooling, normalize = read_pooling(d, ("mean", True))  # no files: mean, normalized (as OpenAI's)
+        except PoolingConfigError as e:
+            raise EncoderConfigError(str(e)) from None
     pad = int(c.get("pad_token_id", 0) or 0)
     max_pos = int(c["max_position_embeddings"])
     max_len = max_pos - (pad + 1 if mt != "bert" else 0)
@@ -116,7 +93,16 @@ def config_from_dir(d: str | Path) -> EncoderConfig:
                          intermediate_size=int(c["intermediate_size"]), max_position_embeddings=max_pos,
                          type_vocab_size=int(c.get("type_vocab_size", 2)),
                          layer_norm_eps=float(c.get("layer_norm_eps", 1e-12)), hidden_act=act, pad_token_id=pad,
-                         pooling=pooling, normalize=normalize, max_seq_len=max_len, num_labels=num_labels)
+                         pooling=pooling, normalize=normalize, max_seq_len=max_len, num_labels=num_labels,
+                         labels=labels)
+
+
+def head_labels(c: dict) -> tuple[int, tuple[str, ...]]:
+    """(number of labels, their names) of a sequence-classification config.json (transformers' default
+    is two labels named LABEL_0, LABEL_1)."""
+    id2label = c.get("id2label") or {}
+    n = int(c.get("num_labels") or len(id2label) or 2)
+    return n, tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
 
 
 # Shapes of real encoders, for benchmarks with random weights (EmbeddingEngine.random).
@@ -282,22 +268,7 @@ def encode(cfg: EncoderConfig, weights: dict, ids, types, mask):
 
 
 def pool(cfg: EncoderConfig, states, mask):
-    """One vector per row [B, H] (f32): the configured pooling, then L2 normalisation if asked."""
-    import jax.numpy as jnp
-
-    m = mask.astype(jnp.float32)[:, :, None]
-    if cfg.pooling == "mean":
-        v = jnp.sum(states * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1e-9)
-    elif cfg.pooling == "cls":
-        v = states[:, 0]
-    elif cfg.pooling == "max":
-        v = jnp.max(jnp.where(m > 0, states, -1e9), axis=1)
-    else:  # last real token
-        last = jnp.maximum(jnp.sum(mask, axis=1) - 1, 0)
-        v = jnp.take_along_axis(states, last[:, None, None], axis=1)[:, 0]
-    if cfg.normalize:
-        v = v / jnp.maximum(jnp.linalg.norm(v, axis=-1, keepdims=True), 1e-12)
-    return v
+    return pool_rows(states, mask, cfg.pooling, cfg.normalize)
 
 
 def embed(cfg: EncoderConfig, weights: dict, ids, types, mask):

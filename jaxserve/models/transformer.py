@@ -102,15 +102,22 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, batch["positions"], c["inv_freq"], c["attn_factor"])
         k = apply_rope(k, batch["positions"], c["inv_freq"], c["attn_factor"])
-        k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
+        if kv is not None:
+            k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
     kw = dict(scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
-    args = (k_cache, v_cache, c["index"], batch["block_tables"])
     D = batch.get("decode_slots")
-    if D is None:
-        o = attention(q, *args, batch["token_seq"], batch["positions"], **kw)
+    if kv is None:
+        # No KV cache: one pass over whole inputs (pooling models, models/decoder_pooling.py), the
+        # attention takes this step's own k and v.
+        o = attention(q, k, v, batch["positions"], **kw)
+        k_cache = v_cache = None
+    elif D is None:
+        o = attention(q, k_cache, v_cache, c["index"], batch["block_tables"], batch["token_seq"],
+                      batch["positions"], **kw)
     else:
         # Runner layout: D single-token slots first (per-token keys), then prompt chunks aligned to
         # query tiles (keys gathered once per tile).
+        args = (k_cache, v_cache, c["index"], batch["block_tables"])
         attention, tiled = attention
         o = jnp.concatenate([
             attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
@@ -132,7 +139,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         m = linear(_act(cfg, g) * u, w["down"], qmm, split_out=down_split)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
-    return x, m, (k_cache, v_cache)
+    return x, m, None if kv is None else (k_cache, v_cache)
 
 
 def unstack_layers(weights) -> dict:

@@ -207,9 +207,16 @@ def _load_engine(args, ecfg):
 
     from jaxserve.engine.embedder import EmbeddingEngine, is_embedding_model
 
-    if is_embedding_model(args.model, getattr(args, "revision", None)):
+    task, overrides = getattr(args, "task", "auto"), getattr(args, "hf_overrides", None)
+    if is_embedding_model(args.model, getattr(args, "revision", None), task, overrides):
         return EmbeddingEngine(args.model, dtype=ecfg.dtype, revision=getattr(args, "revision", None),
-                               max_model_len=getattr(args, "max_model_len", None))
+                               max_model_len=getattr(args, "max_model_len", None), task=task,
+                               hf_overrides=overrides)
+    if overrides:
+        raise ValueError("--hf-overrides applies to pooling models (--task embed or classify) only")
+    if task in ("embed", "classify"):
+        raise ValueError(f"--task {task} needs a Hugging Face safetensors model (directory or Hub id) with "
+                         "tokenizer.json")
     engine = engine_from_args(args, ecfg)
     if engine is not None:
         def prebuild():
@@ -291,9 +298,10 @@ async def _main(state: ServerState, bind: tuple, ecfg) -> int:
         aengine = None
         state.attach(engine, None)
         state.ready = True
-        print(f"jaxserve: embedding model {state.model_name} ({engine.model.name}) ready in "
-              f"{time.monotonic() - t0:.1f}s; {engine.dim} dimensions, inputs up to {engine.ecfg.max_model_len} "
-              f"tokens; serving /v1/embeddings on {url}", flush=True)
+        what = f"{engine.cfg.num_labels} labels" if engine.is_classifier else f"{engine.dim} dimensions"
+        print(f"jaxserve: pooling model {state.model_name} ({engine.model.name}) ready in "
+              f"{time.monotonic() - t0:.1f}s; {what}, inputs up to {engine.ecfg.max_model_len} "
+              f"tokens; serving {engine.routes} on {url}", flush=True)
     else:
         aengine = AsyncEngine(engine, max_queue=max(0, int(getattr(args, "max_queue", 256) or 0)),
                               on_step=state.metrics.on_step)

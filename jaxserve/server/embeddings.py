@@ -91,7 +91,8 @@ def _hand(loop, fn) -> None:
         log.debug("embedding result for a closed event loop dropped")
 
 
-def _inputs(state, req: EmbeddingRequest) -> list[list[int]]:
+def _inputs(state, req) -> list[list[int]]:
+    """The request's `input` as checked token-id lists (texts tokenized with the model's template)."""
     inp = req.input
     if isinstance(inp, str) or (isinstance(inp, list) and inp and isinstance(inp[0], int)):
         inp = [inp]
@@ -149,9 +150,40 @@ async def _run(state, ids, types=None) -> np.ndarray:
 
 def _need_encoder(state, model: str) -> None:
     if state.embedder is None:
-        raise bad_request(f"the model `{model}` generates text and does not serve embeddings or scores; start "
-                          "jaxserve with an encoder model (a BERT / RoBERTa / XLM-RoBERTa sentence-transformers "
-                          "embedding model or cross-encoder)", "model", "model_not_supported")
+        raise bad_request(f"the model `{model}` generates text and does not serve embeddings, scores or classes; "
+                          "start jaxserve with a pooling model (an encoder or decoder embedding model, a "
+                          "cross-encoder / reranker or sequence classifier; --task embed|classify)", "model",
+                          "model_not_supported")
+
+
+class ClassifyRequest(_Req):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    user: str | None = None
+
+
+async def classify(request: web.Request, state, body) -> web.Response:
+    """vLLM's /classify: each input's class probabilities (softmax over the labels; one label: its
+    sigmoid) and the most likely label's name."""
+    from jaxserve.engine.embedder import class_probs
+
+    req = parse_request(ClassifyRequest, body)
+    model = state.check_model(req.model)
+    _need_encoder(state, model)
+    eng = state.engine
+    if not eng.is_classifier:
+        raise bad_request(f"the model `{model}` is an embedding model: classification needs a "
+                          "sequence-classification model", "model", "model_not_supported")
+    ids = await asyncio.get_running_loop().run_in_executor(None, _inputs, state, req)
+    probs = class_probs(await _run(state, ids))
+    labels = eng.cfg.labels or tuple(f"LABEL_{i}" for i in range(probs.shape[1]))
+    data = [{"index": i, "object": "classification", "label": labels[int(np.argmax(p))], "probs": p.tolist(),
+             "num_classes": int(p.shape[0])} for i, p in enumerate(probs)]
+    n = sum(len(x) for x in ids)
+    state.metrics.prompt_tokens.inc(n)
+    return web.json_response({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": model, "data": data,
+                              "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
 
 
 # ----------------------------------------------------------------------------- rerank and score

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from jaxserve.server.chat import chat_completions
 from jaxserve.server.completions import completions
-from jaxserve.server.embeddings import embeddings, rerank, score
+from jaxserve.server.embeddings import classify, embeddings, rerank, score
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
                                       parse_request)
@@ -112,6 +112,7 @@ def add_routes(app: web.Application) -> None:
              "/embeddings": _json_endpoint(embeddings),
              "/rerank": _json_endpoint(rerank),
              "/score": _json_endpoint(score),
+             "/classify": _json_endpoint(classify),
              "/tokenize": _json_endpoint(tokenize),
              "/detokenize": _json_endpoint(detokenize)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics}

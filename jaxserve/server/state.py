@@ -59,7 +59,7 @@ class ServerState:
             from jaxserve.server.embeddings import EmbedBatcher
 
             self.embedder = EmbedBatcher(engine)
-            self.template_error = f"`{self.model_name}` is an embedding model: it serves /v1/embeddings only"
+            self.template_error = f"`{self.model_name}` is a pooling model: it serves {engine.routes} only"
             return
         tok = engine.tokenizer
         try:
@@ -97,8 +97,8 @@ class ServerState:
 
     def require_generative(self) -> None:
         if self.embedder is not None:
-            raise APIError(400, f"the model `{self.model_name}` is an embedding model: it serves /v1/embeddings, "
-                           "not text generation", "model", "model_not_supported")
+            raise APIError(400, f"the model `{self.model_name}` is a pooling model: it serves "
+                           f"{self.engine.routes}, not text generation", "model", "model_not_supported")
 
     def require_ready(self) -> None:
         if self.shutting_down:
