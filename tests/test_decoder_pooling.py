@@ -152,6 +152,16 @@ def test_refusals(tmp_path):
     emb = LLM(str(d), task="embed").embed(["hello", "hi"])
     assert emb.shape == (2, 64)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+    # Matryoshka: `dimensions` cuts the embedding and normalizes it again, for the sizes the config allows
+    mrl = LLM(str(d), task="embed", hf_overrides={"matryoshka_dimensions": [16, 32]})
+    full = mrl.embed(["hello", "hi"])
+    np.testing.assert_allclose(full, emb, atol=1e-6)
+    short = mrl.embed(["hello", "hi"], dimensions=16)
+    np.testing.assert_allclose(short, full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True), atol=1e-6)
+    with pytest.raises(ValueError, match="16, 32"):
+        mrl.embed("hi", dimensions=20)
+    with pytest.raises(ValueError, match="Matryoshka"):
+        LLM(str(d), task="embed").embed("hi", dimensions=16)
     # a classifier head that does not match the config
     c = add_byte_tokenizer(make_tiny_model("llama", tmp_path, head="seqcls", num_labels=2))
     cfg = json.loads((c / "config.json").read_text())

@@ -297,6 +297,30 @@ class EmbeddingEngine:
                                       "embed", "model")
         return self.run(inputs)
 
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """A requested embedding size: the model's own, or for a Matryoshka model (config is_matryoshka /
+        matryoshka_dimensions) one it was trained for. EmbeddingInputError otherwise."""
+        if dimensions is None or dimensions == self.dim:
+            return
+        if not getattr(self.cfg, "matryoshka", False):
+            raise EmbeddingInputError(f"this model's embeddings have {self.dim} dimensions and cannot be shortened "
+                                      "(not a Matryoshka model: hf_overrides is_matryoshka)", "dimensions")
+        allowed = self.cfg.matryoshka_dims
+        if not 1 <= dimensions <= self.dim or (allowed and dimensions not in allowed):
+            raise EmbeddingInputError(f"dimensions {dimensions}: this model gives "
+                                      f"{', '.join(map(str, allowed)) if allowed else f'1 to {self.dim}'}",
+                                      "dimensions")
+
+    def shorten(self, vecs: np.ndarray, dimensions: int | None) -> np.ndarray:
+        """Matryoshka: the first `dimensions` of each embedding, normalized again if the model normalizes."""
+        self.check_dimensions(dimensions)
+        if dimensions is None or dimensions == self.dim:
+            return vecs
+        v = vecs[:, :dimensions]
+        if self.cfg.normalize:
+            v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(v, np.float32)
+
     def classify(self, inputs: list[list[int]]) -> np.ndarray:
         """Class probabilities float32 [len(inputs), num_labels] of a classifier (class_probs)."""
         if not self.is_classifier:

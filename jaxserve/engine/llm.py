@@ -117,14 +117,16 @@ class LLM:
         self._ids = itertools.count()
         return self
 
-    def embed(self, inputs: str | list[str] | list[int] | list[list[int]]):
+    def embed(self, inputs: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None):
         """Sentence embeddings (an embedding model's): float32 numpy [n, dim], one row per input (texts
-        or token-id lists), in order; normalized when the model's pooling config says so."""
+        or token-id lists), in order; normalized when the model's pooling config says so. dimensions:
+        a Matryoshka model's shorter size (the first `dimensions`, normalized again)."""
         if not getattr(self.engine, "is_embedding", False):
             raise ValueError("this model generates text; embeddings need an embedding model (BERT, RoBERTa, "
                              "XLM-RoBERTa sentence-transformers checkpoints, decoder ones such as Qwen3-Embedding, "
                              "or task='embed')")
-        return self.engine.embed(self._token_lists(inputs))
+        self.engine.check_dimensions(dimensions)
+        return self.engine.shorten(self.engine.embed(self._token_lists(inputs)), dimensions)
 
     def _token_lists(self, inputs) -> list[list[int]]:
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):

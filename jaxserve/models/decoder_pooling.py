@@ -26,7 +26,8 @@ from jaxserve.models.pooling import PoolingConfigError, at_index, has_pooling_mo
 DEFAULT_MAX_LEN = 8192  # inputs longer than this need --max-model-len (dense attention per input)
 Q_CHUNK = 512  # queries per attention block for inputs longer than this
 # vLLM's `hf_overrides` keys that turn a causal LM into a classifier (its Qwen3-Reranker recipe)
-OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker", "method")
+OVERRIDE_KEYS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker", "method",
+                 "is_matryoshka", "matryoshka_dimensions")
 
 
 class DecoderPoolingError(ValueError):
@@ -45,6 +46,9 @@ class DecoderPoolingConfig:
     from_tokens: tuple[str, ...] = ()  # the head is these tokens' rows of lm_head (classifier_from_token)
     two_way: bool = False  # ... reduced to one logit: row[1] - row[0] (softmax over two tokens = its sigmoid)
     type_vocab_size: int = 1  # one segment: token types are ignored
+    # Matryoshka embeddings (config is_matryoshka / matryoshka_dimensions): `dimensions` may shorten them
+    matryoshka: bool = False
+    matryoshka_dims: tuple[int, ...] = ()  # the sizes allowed (empty: any size up to hidden_size)
 
     @property
     def vocab_size(self) -> int:
@@ -111,7 +115,9 @@ def config_from_dir(d: str | Path, task: str, overrides: dict | None = None,
             pooling, normalize = read_pooling(d, ("lasttoken", True))  # vLLM's default for decoders
         except PoolingConfigError as e:
             raise DecoderPoolingError(str(e)) from None
-        return dataclasses.replace(out, pooling=pooling, normalize=normalize)
+        dims = tuple(int(x) for x in c.get("matryoshka_dimensions") or ())
+        return dataclasses.replace(out, pooling=pooling, normalize=normalize, matryoshka_dims=dims,
+                                   matryoshka=bool(c.get("is_matryoshka")) or bool(dims))
     if task != "classify":
         raise DecoderPoolingError(f"unknown pooling task {task!r}")
     tokens = tuple(str(t) for t in c.get("classifier_from_token") or ())

@@ -124,13 +124,15 @@ async def embeddings(request: web.Request, state, body) -> web.Response:
     if state.engine.is_classifier:
         raise bad_request(f"the model `{model}` is a cross-encoder: it scores text pairs (/rerank, /score), "
                           "it does not embed", "model", "model_not_supported")
-    dim = state.engine.dim
-    if req.dimensions is not None and req.dimensions != dim:
-        raise bad_request(f"dimensions: this model's embeddings have {dim} dimensions and cannot be shortened",
-                          "dimensions", "unsupported_parameter")
+    from jaxserve.engine.embedder import EmbeddingInputError
+
+    try:
+        state.engine.check_dimensions(req.dimensions)
+    except EmbeddingInputError as e:
+        raise bad_request(str(e), "dimensions", "unsupported_parameter") from None
     # tokenizing and checking up to 2048 inputs: off the event loop
     ids = await asyncio.get_running_loop().run_in_executor(None, _inputs, state, req)
-    vecs = await _run(state, ids)
+    vecs = state.engine.shorten(await _run(state, ids), req.dimensions)
     b64 = req.encoding_format == "base64"
     data = [{"object": "embedding", "index": i,
              "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if b64 else v.tolist()}
