@@ -64,11 +64,13 @@ def test_embeddings_match_transformers(tmp_path, family, pooling, normalize):
     np.testing.assert_allclose(llm.embed("hi")[0], got[1], rtol=1e-5, atol=1e-6)  # alone = in a batch
 
 
-def test_long_inputs_attend_in_query_blocks(tmp_path):
+@pytest.mark.parametrize("max_len", [1024, 1000])
+def test_long_inputs_attend_in_query_blocks(tmp_path, monkeypatch, max_len):
     from transformers import AutoModel
 
     d = add_byte_tokenizer(make_tiny_model("qwen3", tmp_path, head="base", max_position_embeddings=2048))
-    eng = EmbeddingEngine(str(d), max_model_len=1024, warmup=False)  # bucket 1024 = 2 query blocks of 512
+    # bucket 1024: 2 query blocks of 512; bucket 1000: 512 + 488 (the last block padded)
+    eng = EmbeddingEngine(str(d), max_model_len=max_len, warmup=False)
     assert eng.cfg.pooling == "lasttoken" and eng.cfg.normalize  # a bare *Model: vLLM's decoder default
     text = "".join(chr(97 + (i * 7) % 26) for i in range(700))
     ids = eng.tokenizer.encode(text)
@@ -77,7 +79,20 @@ def test_long_inputs_attend_in_query_blocks(tmp_path):
     for row, x in zip(got, [ids, ids[:20]]):
         np.testing.assert_allclose(row, torch.nn.functional.normalize(_hf_states(hf, x)[-1], dim=-1).numpy(),
                                    atol=2e-5)
-    assert set(eng._exe) == {(1, 1024), (1, 32)}  # the long input and the short one, each in its own bucket
+    assert set(eng._exe) == {(1, max_len), (1, 32)}  # the long input and the short one, each in its own bucket
+    if max_len == 1000:  # the padded blocks hold one block's scores at a time, not the whole row's
+        import jax
+
+        from jaxserve.models import decoder_pooling
+
+        def temp_bytes(chunk):
+            monkeypatch.setattr(decoder_pooling, "Q_CHUNK", chunk)
+            z = np.zeros((1, 1000), np.int32)
+            f = jax.jit(lambda w, i, m: decoder_pooling.embed(eng.cfg, w, i, i, m))
+            return f.lower(eng.weights, z, z).compile().memory_analysis().temp_size_in_bytes
+
+        blocks, whole = temp_bytes(512), temp_bytes(4096)
+        assert blocks < 0.7 * whole, (blocks, whole)
 
 
 def test_sequence_classifier_matches_transformers(tmp_path):
@@ -118,10 +133,12 @@ def test_one_label_classifier_reranks(tmp_path):
     np.testing.assert_allclose(llm.classify([QUERY + DOCS[0]])[:, 0], got[:1], atol=1e-6)
 
 
-def test_qwen3_reranker_overrides_match_transformers():
+@pytest.mark.parametrize("sharded", [False, True])
+def test_qwen3_reranker_overrides_match_transformers(tmp_path, sharded):
     from transformers import AutoModelForCausalLM
 
-    d = tiny_qwen3_causal()
+    # sharded: an untied LM head in the last of 3 files, the embedding in the first (its rows must not be read)
+    d = add_byte_tokenizer(make_tiny_model("qwen3", tmp_path, shards=3)) if sharded else tiny_qwen3_causal()
     assert pooling_task(str(d)) is None  # a causal LM generates unless told otherwise
     assert pooling_task(str(d), hf_overrides=QWEN3_RERANKER_OVERRIDES) == "classify"
     llm = LLM(str(d), hf_overrides=QWEN3_RERANKER_OVERRIDES)
@@ -136,6 +153,38 @@ def test_qwen3_reranker_overrides_match_transformers():
     assert llm.labels == ("y",)
 
 
+def test_problem_types_and_generative_loads(tmp_path):
+    """/classify's scores follow problem_type; a generative load still refuses a classifier's head and a
+    bare base model's names (only pooling loads accept them)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from jaxserve.engine.llm_engine import load_model
+    from jaxserve.loader.safetensors_loader import SafetensorsError
+
+    d = add_byte_tokenizer(make_tiny_model("qwen2", tmp_path, head="seqcls", num_labels=2))
+    hf = AutoModelForSequenceClassification.from_pretrained(d).eval()
+    ids = LLM(str(d)).tokenizer.encode(TEXTS[0])
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0]
+    cfg = json.loads((d / "config.json").read_text())
+    for problem, want in [("regression", logits), ("multi_label_classification", torch.sigmoid(logits)),
+                          ("single_label_classification", torch.softmax(logits, -1))]:
+        (d / "config.json").write_text(json.dumps({**cfg, "problem_type": problem}))
+        np.testing.assert_allclose(LLM(str(d)).classify(TEXTS[0])[0], want.numpy(), atol=2e-6, err_msg=problem)
+    with pytest.raises(SafetensorsError, match="score.weight"):
+        load_model(str(d))
+    base = add_byte_tokenizer(make_tiny_model("llama", tmp_path, head="base"))
+    with pytest.raises(SafetensorsError, match="unexpected tensor"):
+        load_model(str(base))
+    # a reward model head is not a bare *Model: not served as an embedding model
+    reward = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**reward, "architectures": ["LlamaForRewardModel"]}))
+    assert pooling_task(str(base)) is None
+    (base / "config.json").write_text(json.dumps({**reward, "is_causal": False}))
+    with pytest.raises(DecoderPoolingError, match="is_causal"):
+        LLM(str(base))
+
+
 def test_refusals(tmp_path):
     d = tiny_qwen3_causal()
     with pytest.raises(DecoderPoolingError, match="unsupported key"):
@@ -144,6 +193,10 @@ def test_refusals(tmp_path):
         LLM(str(d), hf_overrides={**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["no", "yes"]})
     with pytest.raises(DecoderPoolingError, match="two tokens"):
         LLM(str(d), hf_overrides={**QWEN3_RERANKER_OVERRIDES, "classifier_from_token": ["y"]})
+    with pytest.raises(DecoderPoolingError, match="must be a list"):
+        LLM(str(d), hf_overrides={**QWEN3_RERANKER_OVERRIDES, "architectures": "Qwen3ForSequenceClassification"})
+    with pytest.raises(DecoderPoolingError, match="classifier_from_token"):  # a causal LM has no score head
+        LLM(str(d), task="classify")
     with pytest.raises(ValueError, match="task"):
         LLM(str(d), task="pool")
     with pytest.raises(ValueError, match="pooling models"):

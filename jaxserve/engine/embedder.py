@@ -85,11 +85,14 @@ def relevance(logits: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-logits[:, 0].astype(np.float64)))).astype(np.float32)
 
 
-def class_probs(logits: np.ndarray) -> np.ndarray:
-    """A classifier's logits [n, labels] -> probabilities: softmax over the labels, or for one label its
-    sigmoid (as vLLM's /classify)."""
+def class_probs(logits: np.ndarray, problem_type: str | None = None) -> np.ndarray:
+    """A classifier's logits [n, labels] -> its scores, by the config's problem_type (as transformers'
+    pipelines and vLLM): "regression" the logits themselves, "multi_label_classification" a sigmoid
+    per label, otherwise a softmax over the labels (one label: its sigmoid)."""
     x = logits.astype(np.float64)
-    if x.shape[1] == 1:
+    if problem_type == "regression":
+        return logits.astype(np.float32)
+    if x.shape[1] == 1 or problem_type == "multi_label_classification":
         return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
     e = np.exp(x - x.max(axis=1, keepdims=True))
     return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
@@ -205,10 +208,15 @@ class EmbeddingEngine:
                 self.cfg = dataclasses.replace(self.cfg, max_seq_len=int(max_model_len))
             weights, forward = bert.load_weights(d, self.cfg, np.dtype(dtype)), bert.embed
         else:
-            task = task if task in ("embed", "classify") else decoder_pooling.pooling_task(d, hf_overrides)
-            if task is None:
-                raise decoder_pooling.DecoderPoolingError(
-                    f"{model} is a generative model; to pool with it pass task 'embed' or 'classify' (--task)")
+            if task in ("embed", "classify"):
+                log.info("%s: pooled for task %s (asked)", model, task)
+            else:
+                task = decoder_pooling.pooling_task(d, hf_overrides)
+                if task is None:
+                    raise decoder_pooling.DecoderPoolingError(
+                        f"{model} is a generative model; to pool with it pass task 'embed' or 'classify' (--task)")
+                log.info("%s: pooled for task %s, decided by its %s (--task generate to generate with it)", model,
+                         task, decoder_pooling.task_reason(d, hf_overrides))
             self.cfg = decoder_pooling.config_from_dir(d, task, hf_overrides, max_model_len)
             weights = decoder_pooling.load_weights(d, self.cfg, dtype, tokenizer.backend.token_to_id)
             forward = decoder_pooling.embed
@@ -304,7 +312,7 @@ class EmbeddingEngine:
             return
         if not getattr(self.cfg, "matryoshka", False):
             raise EmbeddingInputError(f"this model's embeddings have {self.dim} dimensions and cannot be shortened "
-                                      "(not a Matryoshka model: hf_overrides is_matryoshka)", "dimensions")
+                                      "(not a Matryoshka model)", "dimensions")
         allowed = self.cfg.matryoshka_dims
         if not 1 <= dimensions <= self.dim or (allowed and dimensions not in allowed):
             raise EmbeddingInputError(f"dimensions {dimensions}: this model gives "
@@ -326,7 +334,7 @@ class EmbeddingEngine:
         if not self.is_classifier:
             raise EmbeddingInputError("this model embeds; classification needs a sequence-classification model",
                                       "model")
-        return class_probs(self.run(inputs))
+        return class_probs(self.run(inputs), self.cfg.problem_type)
 
     def score(self, pairs: list[tuple[list[int], list[int]]]) -> np.ndarray:
         """Relevance of encoded text pairs (ids, token types), float32 [n]: a one-label cross-encoder's

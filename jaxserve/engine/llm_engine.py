@@ -111,7 +111,8 @@ def open_model(model: str | None, *, file: str | None = None, weights_file: str 
         scheme = quant_config_from_dir(res.model_dir)  # GPTQ/AWQ/FP8/MXFP4/NVFP4 checkpoints
         prequantized = scheme.method if scheme else None
         tok = Tokenizer.from_dir(res.tokenizer_dir or res.model_dir)
-        tensors = lambda c: iter_safetensors_tensors(res.model_dir, c, files=res.paths, packed=packed, quant=scheme)
+        tensors = lambda c: iter_safetensors_tensors(res.model_dir, c, files=res.paths, packed=packed, quant=scheme,
+                                                     pooling=not lm_head)
         gen = res.model_dir / "generation_config.json"
         if gen.exists():
             gen_defaults = json.loads(gen.read_text())

@@ -142,17 +142,18 @@ def _map_tensor(path: Path, data_start: int, name: str, info: dict, dtypes: dict
     return np.memmap(path, dtype=dtype, mode="r", offset=data_start + lo, shape=shape).view(np.ndarray)
 
 
-# A bare base model's names (LlamaModel / Qwen3Model saved alone, as Qwen3-Embedding ships): no "model.".
+# Pooling loads only (models/decoder_pooling.py; a generative load refuses both): a bare base model's
+# names (LlamaModel / Qwen3Model saved alone, as Qwen3-Embedding ships: no "model.") and a
+# sequence-classification head, which the pooling model reads itself.
 _BARE = re.compile(r"^(layers\.\d+\.|embed_tokens\.weight$|norm\.weight$)")
-# A sequence-classification head (*ForSequenceClassification): read by models/decoder_pooling.py.
 SCORE_HEAD = ("score.weight", "score.bias")
 
 
-def _normalize(name: str) -> str | None:
+def _normalize(name: str, pooling: bool = False) -> str | None:
     """HF name -> the plain causal-LM name (`model.…` / `lm_head.weight`), or None to ignore the tensor."""
-    if _IGNORED.search(name) or name in SCORE_HEAD:
+    if _IGNORED.search(name) or (pooling and name in SCORE_HEAD):
         return None
-    if _BARE.match(name):
+    if pooling and _BARE.match(name):
         return "model." + name
     if name.startswith("model.language_model."):  # Gemma 3 multimodal, transformers >= 4.52
         return "model." + name[len("model.language_model."):]
@@ -161,12 +162,13 @@ def _normalize(name: str) -> str | None:
     return name
 
 
-def canonical_name(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None, str] | None:
+def canonical_name(hf_name: str, cfg: ModelConfig, pooling: bool = False) -> tuple[str, int | None, str] | None:
     """HF tensor name -> (canonical name, layer, kind) or None when the tensor is not used.
 
     Raises SafetensorsError for a tensor this runtime cannot represent (so no weight is silently dropped).
+    pooling: a pooling model's load (bare base-model names accepted, the score head left out).
     """
-    name = _normalize(hf_name)
+    name = _normalize(hf_name, pooling)
     if name is None:
         return None
     if name in _GLOBAL_MAP:
@@ -206,7 +208,7 @@ def _progress(total: int, desc: str):
 
 
 def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: list[str | Path] | None = None,
-                             packed: bool = False, quant="auto") -> Iterator[CanonicalTensor]:
+                             packed: bool = False, quant="auto", pooling: bool = False) -> Iterator[CanonicalTensor]:
     """Yield (canonical name, layer | None, array) for every weight of the checkpoint in `model_dir`.
 
     Tensors come in file order (sequential reads). Linear weights are transposed to [in, out]; Gemma norm
@@ -215,6 +217,7 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
     `weights.iter_checked` (materialize does). `files`: explicit safetensors files (default: the directory's
     checkpoint, see checkpoint_files). `quant`: the checkpoint's hf_quant.QuantScheme (None: not quantized;
     "auto": read from the directory); its quantized linears come as QWeights with `packed`, else float32.
+    pooling: see canonical_name.
     """
     from jaxserve.loader import hf_quant
 
@@ -225,7 +228,7 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
     modules, skip = hf_quant.plan_modules(where, scheme) if scheme else ({}, set())
     primary = {ps[scheme.primary]: mod for mod, ps in modules.items()}
     skip |= {n for ps in modules.values() for n in ps.values()} - primary.keys()  # read with their primary
-    skip |= _zero_biases(modules, where, cfg)
+    skip |= _zero_biases(modules, where, cfg, pooling)
     total = sum(info["data_offsets"][1] - info["data_offsets"][0] for _, _, h in headers for info in h.values())
     gemma = _is_gemma(cfg)
     with _progress(total, f"loading {Path(model_dir).name}") as bar:
@@ -236,10 +239,11 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
                     bar.update(nbytes)
                     continue
                 if hf_name in primary:
-                    yield from _quantized(primary[hf_name], modules[primary[hf_name]], where, scheme, cfg, packed)
+                    yield from _quantized(primary[hf_name], modules[primary[hf_name]], where, scheme, cfg, packed,
+                                          pooling)
                     bar.update(nbytes)
                     continue
-                target = canonical_name(hf_name, cfg)
+                target = canonical_name(hf_name, cfg, pooling)
                 if target is None:
                     bar.update(nbytes)
                     continue
@@ -258,7 +262,7 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
                 bar.update(nbytes)
 
 
-def _zero_biases(modules: dict, where: dict, cfg: ModelConfig) -> set[str]:
+def _zero_biases(modules: dict, where: dict, cfg: ModelConfig, pooling: bool = False) -> set[str]:
     """Biases of quantized modules that the model does not have: AutoGPTQ-style quantizers store a
     zero bias for every quantized linear. Zero ones are skipped; any other is an error."""
     from jaxserve.loader import hf_quant
@@ -269,7 +273,7 @@ def _zero_biases(modules: dict, where: dict, cfg: ModelConfig) -> set[str]:
         if name not in where:
             continue
         try:
-            canonical_name(name, cfg)
+            canonical_name(name, cfg, pooling)
             continue  # a bias the model has (Qwen2 q/k/v): loaded as usual
         except SafetensorsError:
             pass
@@ -281,12 +285,13 @@ def _zero_biases(modules: dict, where: dict, cfg: ModelConfig) -> set[str]:
     return out
 
 
-def _quantized(mod: str, parts: dict[str, str], where: dict, scheme, cfg: ModelConfig, packed: bool):
+def _quantized(mod: str, parts: dict[str, str], where: dict, scheme, cfg: ModelConfig, packed: bool,
+               pooling: bool = False):
     """The canonical tensor of one quantized module (nothing for a tied LM head)."""
     from jaxserve.loader import hf_quant
     from jaxserve.quant.qweight import dequantize
 
-    target = canonical_name(mod + ".weight", cfg)
+    target = canonical_name(mod + ".weight", cfg, pooling)
     if target is None:
         return
     canon, layer, kind = target

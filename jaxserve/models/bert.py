@@ -44,6 +44,7 @@ class EncoderConfig:
     max_seq_len: int = 512  # longest input (tokens, special ones included)
     num_labels: int = 0  # > 0: a sequence-classification head (cross-encoder / reranker), no pooling
     labels: tuple[str, ...] = ()  # the head's label names (config id2label), when it has them
+    problem_type: str | None = None  # config problem_type: how /classify turns logits into scores
 
     @property
     def position_offset(self) -> int:
@@ -94,7 +95,7 @@ def config_from_dir(d: str | Path) -> EncoderConfig:
                          type_vocab_size=int(c.get("type_vocab_size", 2)),
                          layer_norm_eps=float(c.get("layer_norm_eps", 1e-12)), hidden_act=act, pad_token_id=pad,
                          pooling=pooling, normalize=normalize, max_seq_len=max_len, num_labels=num_labels,
-                         labels=labels)
+                         labels=labels, problem_type=c.get("problem_type"))
 
 
 def head_labels(c: dict) -> tuple[int, tuple[str, ...]]:

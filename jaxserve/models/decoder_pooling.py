@@ -45,6 +45,8 @@ class DecoderPoolingConfig:
     pad_token_id: int | None = None  # classifiers take the last token that is not padding (as transformers)
     from_tokens: tuple[str, ...] = ()  # the head is these tokens' rows of lm_head (classifier_from_token)
     two_way: bool = False  # ... reduced to one logit: row[1] - row[0] (softmax over two tokens = its sigmoid)
+    tied: bool = False  # the checkpoint's output projection is its embedding (tie_word_embeddings)
+    problem_type: str | None = None  # config problem_type: how /classify turns logits into scores
     type_vocab_size: int = 1  # one segment: token types are ignored
     # Matryoshka embeddings (config is_matryoshka / matryoshka_dimensions): `dimensions` may shorten them
     matryoshka: bool = False
@@ -75,18 +77,41 @@ def pooling_task(d: Path, overrides: dict | None = None) -> str | None:
         return None
     if c.get("model_type") not in SUPPORTED_MODEL_TYPES:
         return None
-    archs = [str(a) for a in c.get("architectures") or []]
+    archs = c.get("architectures") or []
+    archs = [str(a) for a in (archs if isinstance(archs, list) else [archs])]
     if any(a.endswith("ForSequenceClassification") for a in archs):
         return "classify"
-    if has_pooling_module(Path(d)) or (archs and all(a.endswith("Model") for a in archs)):
+    # a bare base model (Qwen3Model, MistralModel), not a head such as Qwen2ForRewardModel
+    if has_pooling_module(Path(d)) or (archs and all(a.endswith("Model") and "For" not in a for a in archs)):
         return "embed"
     return None
 
 
+def task_reason(d: Path, overrides: dict | None = None) -> str:
+    """Why pooling_task decided what it did (logged at start-up)."""
+    c = _config_json(d, overrides)
+    archs = c.get("architectures") or []
+    if has_pooling_module(Path(d)):
+        return f"sentence-transformers pooling files (modules.json) beside architectures {archs}"
+    return f"architectures {archs}"
+
+
+_OVERRIDE_TYPES = {"architectures": list, "classifier_from_token": list, "is_original_qwen3_reranker": bool,
+                   "method": str, "is_matryoshka": bool, "matryoshka_dimensions": list}
+
+
 def check_overrides(overrides: dict | None) -> dict:
+    if overrides is not None and not isinstance(overrides, dict):
+        raise DecoderPoolingError("hf_overrides must be a JSON object")
     unknown = sorted(set(overrides or {}) - set(OVERRIDE_KEYS))
     if unknown:
         raise DecoderPoolingError(f"hf_overrides: unsupported key(s) {unknown}; supported: {', '.join(OVERRIDE_KEYS)}")
+    for k, v in (overrides or {}).items():
+        if not isinstance(v, _OVERRIDE_TYPES[k]):
+            raise DecoderPoolingError(f"hf_overrides: {k} must be a {_OVERRIDE_TYPES[k].__name__}, got {v!r}")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+               for x in (overrides or {}).get("matryoshka_dimensions", [])):
+        raise DecoderPoolingError("hf_overrides: matryoshka_dimensions must be positive integers")
     return dict(overrides or {})
 
 
@@ -98,7 +123,10 @@ def config_from_dir(d: str | Path, task: str, overrides: dict | None = None,
 
     d = Path(d)
     c = _config_json(d, check_overrides(overrides))
-    cfg = dataclasses.replace(model_config_from_hf(c), tie_word_embeddings=True)  # no lm_head is read
+    if c.get("is_causal") is False:
+        raise DecoderPoolingError(f"{d}/config.json: is_causal false (bidirectional attention) is not supported")
+    base = model_config_from_hf(c)
+    cfg = dataclasses.replace(base, tie_word_embeddings=True)  # no lm_head is read
     limit = cfg.max_position_embeddings
     st = d / "sentence_bert_config.json"
     if st.is_file():
@@ -109,7 +137,8 @@ def config_from_dir(d: str | Path, task: str, overrides: dict | None = None,
         limit = int(max_model_len)
     else:
         limit = min(limit, DEFAULT_MAX_LEN)
-    out = DecoderPoolingConfig(model=cfg, max_seq_len=limit, pad_token_id=cfg.pad_token_id)
+    out = DecoderPoolingConfig(model=cfg, max_seq_len=limit, pad_token_id=cfg.pad_token_id,
+                               tied=base.tie_word_embeddings, problem_type=c.get("problem_type"))
     if task == "embed":
         try:
             pooling, normalize = read_pooling(d, ("lasttoken", True))  # vLLM's default for decoders
@@ -136,12 +165,13 @@ def config_from_dir(d: str | Path, task: str, overrides: dict | None = None,
 
 
 def _read_tensor(d: Path, names: tuple[str, ...]):
-    """The first of `names` found in the checkpoint's safetensors files (memory-mapped), else None."""
+    """The first of `names` (in that order) that the checkpoint's safetensors files hold, memory-mapped;
+    None when none is there."""
     from jaxserve.loader.safetensors_loader import _map_tensor, checkpoint_files, read_header
 
-    for f in checkpoint_files(d):
-        start, header = read_header(f)
-        for n in names:
+    headers = [(f, *read_header(f)) for f in checkpoint_files(d)]
+    for n in names:
+        for f, start, header in headers:
             if n in header:
                 return _map_tensor(f, start, n, header[n])
     return None
@@ -153,9 +183,11 @@ def load_head(d: str | Path, pcfg: DecoderPoolingConfig, token_id) -> dict:
     d = Path(d)
     D = pcfg.hidden_size
     if pcfg.from_tokens:
-        rows = _read_tensor(d, ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"))
-        if rows is None:
-            raise DecoderPoolingError(f"{d}: classifier_from_token needs lm_head.weight (or tied embeddings)")
+        names = ("lm_head.weight",) + (("model.embed_tokens.weight", "embed_tokens.weight") if pcfg.tied else ())
+        rows = _read_tensor(d, names)
+        if rows is None or rows.ndim != 2 or rows.shape[1] != D:
+            raise DecoderPoolingError(f"{d}: classifier_from_token needs the output projection as a dense "
+                                      f"{'lm_head.weight' if not pcfg.tied else 'embedding'} [vocab, {D}]")
         ids = []
         for t in pcfg.from_tokens:
             i = token_id(t)
@@ -168,7 +200,8 @@ def load_head(d: str | Path, pcfg: DecoderPoolingConfig, token_id) -> dict:
         return {"w": np.ascontiguousarray(w.T), "b": np.zeros(pcfg.num_labels, np.float32)}
     w = _read_tensor(d, ("score.weight",))
     if w is None:
-        raise DecoderPoolingError(f"{d}: a sequence-classification checkpoint without its score.weight")
+        raise DecoderPoolingError(f"{d}: no classifier head (score.weight); a causal LM classifies through "
+                                  "hf_overrides classifier_from_token (e.g. Qwen3-Reranker's [\"no\", \"yes\"])")
     if tuple(w.shape) != (pcfg.num_labels, D):
         raise DecoderPoolingError(f"score.weight is {tuple(w.shape)}, the config says {pcfg.num_labels} labels "
                                   f"of {D}")
@@ -194,7 +227,7 @@ def causal_attention(q, k, v, positions, *, rows: int, scale, window=0, softcap=
     """Causal attention within each of `rows` equal-length rows of a flat batch: q [T, H, hd], k/v
     [T, KV, hd] (GQA), positions [T] (0.. in each row). Sliding window (traced int; 0 = none) and
     soft-cap as the paged kernels. Rows longer than Q_CHUNK go a query block at a time (scores of one
-    block at once, not of the whole row)."""
+    block at once, not of the whole row; the last block padded)."""
     import jax
     import jax.numpy as jnp
 
@@ -217,11 +250,15 @@ def causal_attention(q, k, v, positions, *, rows: int, scale, window=0, softcap=
         s = jnp.where(ok[:, None, None], s, -jnp.inf)
         return jnp.matmul(jax.nn.softmax(s, axis=-1), vh)  # [rows, KV, G, C, hd]
 
-    if R > Q_CHUNK and R % Q_CHUNK == 0:
-        n = R // Q_CHUNK
-        qs = jnp.moveaxis(qh.reshape(rows, KV, G, n, Q_CHUNK, hd), 3, 0)
-        ps = jnp.moveaxis(kpos.reshape(rows, n, Q_CHUNK), 1, 0)
-        o = jnp.moveaxis(jax.lax.map(lambda a: block(*a), (qs, ps)), 0, 3).reshape(rows, KV, G, R, hd)
+    if R > Q_CHUNK:
+        n = -(-R // Q_CHUNK)
+        pad = n * Q_CHUNK - R  # the last block's missing queries: zeros at position 0, dropped after
+        qp = jnp.pad(qh, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+        pp = jnp.pad(kpos, ((0, 0), (0, pad)))
+        qs = jnp.moveaxis(qp.reshape(rows, KV, G, n, Q_CHUNK, hd), 3, 0)
+        ps = jnp.moveaxis(pp.reshape(rows, n, Q_CHUNK), 1, 0)
+        o = jnp.moveaxis(jax.lax.map(lambda a: block(*a), (qs, ps)), 0, 3)
+        o = o.reshape(rows, KV, G, n * Q_CHUNK, hd)[:, :, :, :R]
     else:
         o = block(qh, kpos)
     return o.transpose(0, 3, 1, 2, 4).reshape(T, H, hd).astype(q.dtype)

@@ -122,8 +122,8 @@ async def embeddings(request: web.Request, state, body) -> web.Response:
     model = state.check_model(req.model)
     _need_encoder(state, model)
     if state.engine.is_classifier:
-        raise bad_request(f"the model `{model}` is a cross-encoder: it scores text pairs (/rerank, /score), "
-                          "it does not embed", "model", "model_not_supported")
+        raise bad_request(f"the model `{model}` is a sequence classifier: it serves {state.engine.routes}, it "
+                          "does not embed", "model", "model_not_supported")
     from jaxserve.engine.embedder import EmbeddingInputError
 
     try:
@@ -177,7 +177,7 @@ async def classify(request: web.Request, state, body) -> web.Response:
         raise bad_request(f"the model `{model}` is an embedding model: classification needs a "
                           "sequence-classification model", "model", "model_not_supported")
     ids = await asyncio.get_running_loop().run_in_executor(None, _inputs, state, req)
-    probs = class_probs(await _run(state, ids))
+    probs = class_probs(await _run(state, ids), eng.cfg.problem_type)
     labels = eng.cfg.labels or tuple(f"LABEL_{i}" for i in range(probs.shape[1]))
     data = [{"index": i, "object": "classification", "label": labels[int(np.argmax(p))], "probs": p.tolist(),
              "num_classes": int(p.shape[0])} for i, p in enumerate(probs)]
@@ -206,30 +206,62 @@ class ScoreRequest(_Req):
     encoding_format: str | None = None  # vLLM accepts it; scores are plain numbers either way
 
 
-async def _scores(state, query: str, docs: list[str], param: str) -> tuple[np.ndarray, int]:
-    """(relevance of each doc to the query, tokens read): a cross-encoder's sigmoid over the pair, or
-    for an embedding model the cosine similarity of the two embeddings (as vLLM scores with them)."""
-    from jaxserve.engine.embedder import EmbeddingInputError, cosine_to_first, relevance
+def _encode_pairs(eng, t1: list[str], t2: list[str]) -> list[tuple[list[int], list[int]]]:
+    """(ids, token types) of each pair (t1[i], t2[i]) with the tokenizer's pair template, in order
+    (pairs that share their first text are tokenized together)."""
+    groups: dict[str, list[int]] = {}
+    for i, a in enumerate(t1):
+        groups.setdefault(a, []).append(i)
+    out: list = [None] * len(t1)
+    for a, idx in groups.items():
+        for i, p in zip(idx, eng.tokenizer.encode_pairs(a, [t2[i] for i in idx], eng.cfg.max_seq_len)):
+            out[i] = p
+    return out
+
+
+def _encode_texts(eng, texts: list[str], where: list[str]) -> list[list[int]]:
+    ids = eng.tokenizer.encode_batch(texts)
+    for x, w in zip(ids, where):
+        eng.check(x, w)
+    return ids
+
+
+async def _pair_scores(state, t1: list[str], t2: list[str], param: str,
+                       names: tuple[str, str] = ("text_1", "text_2")) -> tuple[np.ndarray, int]:
+    """(relevance of each pair (t1[i], t2[i]), tokens read), all pairs in one engine run: a one-label
+    classifier's sigmoid over the pair, or for an embedding model the cosine similarity of the two
+    texts' embeddings (as vLLM scores with them; each distinct text embedded once). Tokenized off the
+    event loop."""
+    from jaxserve.engine.embedder import EmbeddingInputError, relevance
 
     eng = state.engine
     if eng.is_classifier and eng.cfg.num_labels != 1:
-        raise bad_request(f"this cross-encoder has {eng.cfg.num_labels} labels; rerank and score need a "
-                          "one-label model (a relevance logit)", "model", "model_not_supported")
-    if not query:
-        raise bad_request("the query is empty", param)
-    if any(not d for d in docs):
-        raise bad_request("a document is empty", param)
+        raise bad_request(f"this classifier has {eng.cfg.num_labels} labels; rerank and score need a "
+                          "one-label model (a relevance logit); use /v1/classify", "model", "model_not_supported")
+    if any(not a for a in t1):
+        raise bad_request(f"{names[0]} is empty", param)
+    if any(not d for d in t2):
+        raise bad_request(f"a text of {names[1]} is empty", param)
+    loop = asyncio.get_running_loop()
     try:
         if eng.is_classifier:
-            pairs = eng.tokenizer.encode_pairs(query, docs, eng.cfg.max_seq_len)
+            pairs = await loop.run_in_executor(None, _encode_pairs, eng, t1, t2)
             logits = await _run(state, [p[0] for p in pairs], [p[1] for p in pairs])
             return relevance(logits), sum(len(p[0]) for p in pairs)
-        ids = eng.tokenizer.encode_batch([query] + list(docs))
-        for i, x in enumerate(ids):
-            eng.check(x, "query" if i == 0 else f"documents[{i - 1}]")
+        where = {}
+        for i, a in enumerate(t1):
+            where.setdefault(a, names[0] if len(set(t1)) == 1 else f"{names[0]}[{i}]")
+        for i, b in enumerate(t2):
+            where.setdefault(b, f"{names[1]}[{i}]")
+        texts = list(where)
+        ids = await loop.run_in_executor(None, _encode_texts, eng, texts, list(where.values()))
     except EmbeddingInputError as e:
         raise bad_request(str(e), param) from None
-    return cosine_to_first(await _run(state, ids)), sum(len(x) for x in ids)
+    vecs = await _run(state, ids)
+    unit = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+    row = {t: i for i, t in enumerate(texts)}
+    scores = np.array([unit[row[a]] @ unit[row[b]] for a, b in zip(t1, t2)], np.float32)
+    return scores, sum(len(x) for x in ids)
 
 
 async def rerank(request: web.Request, state, body) -> web.Response:
@@ -244,7 +276,7 @@ async def rerank(request: web.Request, state, body) -> web.Response:
         raise bad_request(f"at most {MAX_INPUTS} documents per request, got {len(docs)}", "documents")
     if req.top_n is not None and req.top_n < 1:
         raise bad_request(f"top_n must be >= 1, got {req.top_n}", "top_n")
-    scores, n = await _scores(state, req.query, docs, "documents")
+    scores, n = await _pair_scores(state, [req.query] * len(docs), docs, "documents", ("query", "documents"))
     state.metrics.prompt_tokens.inc(n)
     order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))[:req.top_n or len(docs)]
     results = [{"index": i, "relevance_score": float(scores[i]),
@@ -269,16 +301,7 @@ async def score(request: web.Request, state, body) -> web.Response:
                           "length", "text_2")
     if len(t2) > MAX_INPUTS:
         raise bad_request(f"at most {MAX_INPUTS} pairs per request, got {len(t2)}", "text_2")
-    out, n = [], 0
-    # pairs that share their first text are scored together
-    groups: dict[str, list[int]] = {}
-    for i, a in enumerate(t1):
-        groups.setdefault(a, []).append(i)
-    scores = np.zeros(len(t2), np.float32)
-    for a, idx in groups.items():
-        s, k = await _scores(state, a, [t2[i] for i in idx], "text_2")
-        scores[idx] = s
-        n += k
+    scores, n = await _pair_scores(state, t1, t2, "text_2")
     state.metrics.prompt_tokens.inc(n)
     out = [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(scores)]
     return web.json_response({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),

@@ -59,7 +59,8 @@ class ServerState:
             from jaxserve.server.embeddings import EmbedBatcher
 
             self.embedder = EmbedBatcher(engine)
-            self.template_error = f"`{self.model_name}` is a pooling model: it serves {engine.routes} only"
+            self.template_error = (f"`{self.model_name}` is a pooling model: it serves {engine.routes} only (a "
+                                   "decoder model generates when jaxserve is started with --task generate)")
             return
         tok = engine.tokenizer
         try:
@@ -98,7 +99,8 @@ class ServerState:
     def require_generative(self) -> None:
         if self.embedder is not None:
             raise APIError(400, f"the model `{self.model_name}` is a pooling model: it serves "
-                           f"{self.engine.routes}, not text generation", "model", "model_not_supported")
+                           f"{self.engine.routes}, not text generation (a decoder model generates when jaxserve "
+                           "is started with --task generate)", "model", "model_not_supported")
 
     def require_ready(self) -> None:
         if self.shutting_down:
