@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -104,6 +105,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Mixture of experts (mixtral, qwen2_moe, qwen3_moe): every layer's MLP is `num_experts` experts of
+    # width moe_intermediate_size, `experts_per_token` of them per token (router softmax, top-k; their
+    # weights renormalized to sum 1 when norm_topk_prob), plus for qwen2_moe one shared expert of width
+    # shared_expert_size scaled by a sigmoid gate.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -129,6 +139,16 @@ class ModelConfig:
             raise ConfigError("sliding layers need sliding_window")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if (self.arch in MOE_ARCHS) != (self.num_experts > 0):
+            raise ConfigError(f"{self.arch}: num_experts {self.num_experts} (mixture-of-experts architectures "
+                              f"{MOE_ARCHS} need experts, the others none)")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ConfigError(f"experts_per_token {self.experts_per_token} of {self.num_experts} experts of width "
+                              f"{self.moe_intermediate_size}: not a valid mixture of experts")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -160,7 +180,9 @@ class ModelConfig:
 
     def num_params(self) -> int:
         d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        per_layer = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * d * f
+        mlp = 3 * d * (self.num_experts * self.moe_intermediate_size + self.shared_expert_size) if self.is_moe \
+            else 3 * d * f
+        per_layer = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + mlp
         n = self.num_layers * per_layer + self.vocab_size * d
         return n if self.tie_word_embeddings else n + self.vocab_size * d
 

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "yarn", "linear_rope")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")  # mixture of experts (tests/test_moe.py)
 
 _BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -55,8 +56,20 @@ def _config(family: str, overrides: dict):
                   rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    elif family == "mixtral":
+        cls = tf.MixtralConfig
+        kw.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "qwen2_moe":
+        cls = tf.Qwen2MoeConfig
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "qwen3_moe":
+        cls = tf.Qwen3MoeConfig
+        kw.update(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     else:
-        raise ValueError(f"unknown tiny family {family!r}; known: {FAMILIES}")
+        raise ValueError(f"unknown tiny family {family!r}; known: {FAMILIES + MOE_FAMILIES}")
     kw.update(overrides)
     return cls(**kw)
 

@@ -44,7 +44,12 @@ def _check(ours, theirs, tol=1e-4):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_parity_ragged_and_paged_decode(family, tmp_path):
     d = make_tiny_model(family, tmp_path)
-    cfg, weights = _load(d)
+    check_paged_parity(d, *_load(d))
+
+
+def check_paged_parity(d, cfg, weights) -> None:
+    """The model of checkpoint d (cfg, weights) against transformers, through the paged cache as the
+    engine drives it (also used by tests/test_moe.py)."""
     rng = np.random.default_rng(0)
     # Lengths beyond the tiny sliding window (8) and several KV blocks; ragged in one batch.
     seqs = [list(rng.integers(3, cfg.vocab_size, n)) for n in (23, 9, 30)]

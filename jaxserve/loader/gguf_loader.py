@@ -170,6 +170,9 @@ def gguf_model_config(readers) -> ModelConfig:
     def g(key, default=None):
         return meta_get(readers, f"{arch}.{key}", default)
 
+    if int(g("expert_count", 0) or 0):
+        raise ConfigError(f"GGUF {arch} with {g('expert_count')} experts: mixture-of-experts GGUF files are not "
+                          "supported (load the Hugging Face safetensors checkpoint)")
     names = tensor_names(readers)
     hidden = int(g("embedding_length"))
     heads = int(_scalar(g("attention.head_count"), "head_count"))

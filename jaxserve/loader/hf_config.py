@@ -21,7 +21,9 @@ from typing import Any
 
 from jaxserve.config import ConfigError, ModelConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "mixtral",
+                         "qwen2_moe", "qwen3_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # transformers' class defaults (only the fields we read).
 _COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, hidden_act="silu",
@@ -38,6 +40,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(_COMMON, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
                   use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "mixtral": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+                    bos_token_id=1, eos_token_id=2, sliding_window=None, rope_theta=1e6, rms_norm_eps=1e-5,
+                    num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(_COMMON, vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=32768,
+                      use_sliding_window=False, sliding_window=4096, max_window_layers=28, num_experts=60,
+                      num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True),
+    "qwen3_moe": dict(_COMMON, vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
+                      use_sliding_window=False, sliding_window=4096, max_window_layers=28, num_experts=128,
+                      num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
     "gemma2": dict(_COMMON, vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, pad_token_id=0,
@@ -115,7 +131,7 @@ def _layer_types(d: dict[str, Any], mtype: str, n: int) -> tuple[tuple[str, ...]
     """-> (layer types, sliding window) following each model's transformers code."""
     window = d.get("sliding_window")
     given = d.get("layer_types")
-    if mtype in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+    if mtype in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not d.get("use_sliding_window"):
         window = None  # transformers drops the window unless use_sliding_window is set
     if mtype == "llama" or not window:
         return ("full",) * n, None
@@ -126,11 +142,11 @@ def _layer_types(d: dict[str, Any], mtype: str, n: int) -> tuple[tuple[str, ...]
         if len(given) != n:
             raise ConfigError(f"layer_types has {len(given)} entries for {n} layers")
         types = tuple(_LAYER_TYPES[t] for t in given)
-    elif mtype == "mistral":
+    elif mtype in ("mistral", "mixtral"):
         if d.get("use_sliding_window") is False:
             return ("full",) * n, None
         types = ("sliding",) * n  # Mistral v0.1: every layer uses the window
-    elif mtype in ("qwen2", "qwen3"):
+    elif mtype in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         mwl = int(d.get("max_window_layers"))
         types = tuple("sliding" if i >= mwl else "full" for i in range(n))
     elif mtype == "gemma2":
@@ -183,7 +199,7 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
         raise ConfigError("Gemma 3 with bidirectional attention (an embedding model) is not supported")
     if mtype in ("llama", "mistral") and d.get("mlp_bias"):
         raise ConfigError(f"{mtype}: mlp_bias is not supported")
-    if mtype in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text") and d.get("attention_bias"):
+    if mtype in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe") and d.get("attention_bias"):
         raise ConfigError(f"{mtype}: attention_bias (with an o_proj bias) is not supported")
 
     hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
@@ -201,6 +217,7 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
     layer_types, window = _layer_types(d, mtype, n)
     gemma = mtype in ("gemma2", "gemma3_text")
     arch = "gemma3" if mtype == "gemma3_text" else mtype
+    moe = _moe_fields(d, mtype) if mtype in _MOE_TYPES else {}
 
     def opt_float(k):
         v = d.get(k)
@@ -221,8 +238,9 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d["tie_word_embeddings"]),
-        attention_bias=mtype == "qwen2",  # Qwen2 always has q/k/v biases (and no config flag)
-        qk_norm=mtype in ("qwen3", "gemma3_text"),
+        # Qwen2 always has q/k/v biases (and no config flag); Qwen2-MoE unless qkv_bias is false
+        attention_bias=mtype == "qwen2" or (mtype == "qwen2_moe" and bool(d.get("qkv_bias", True))),
+        qk_norm=mtype in ("qwen3", "gemma3_text", "qwen3_moe"),
         hidden_act=_activation(d, mtype),
         sandwich_norms=gemma,
         embed_scale=math.sqrt(hidden) if gemma else 1.0,
@@ -234,7 +252,20 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
         bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
         eos_token_ids=_eos_ids(d.get("eos_token_id")),
         pad_token_id=None if d.get("pad_token_id") is None else int(d["pad_token_id"]),
+        **moe,
     )
+
+
+def _moe_fields(d: dict[str, Any], mtype: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields of a mixtral / qwen2_moe / qwen3_moe config."""
+    if int(d.get("decoder_sparse_step") or 1) != 1 or d.get("mlp_only_layers"):
+        raise ConfigError(f"{mtype}: dense MLP layers between the expert layers (decoder_sparse_step "
+                          f"{d.get('decoder_sparse_step')}, mlp_only_layers {d.get('mlp_only_layers')}) are not supported")
+    experts = d.get("num_local_experts") or d.get("num_experts")
+    return dict(num_experts=int(experts), experts_per_token=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d["intermediate_size"] if mtype == "mixtral" else d["moe_intermediate_size"]),
+                norm_topk_prob=mtype == "mixtral" or bool(d.get("norm_topk_prob")),
+                shared_expert_size=int(d.get("shared_expert_intermediate_size") or 0) if mtype == "qwen2_moe" else 0)
 
 
 def model_config_from_dir(model_dir: str | Path, yarn_scaling_factor: float | None = None) -> ModelConfig:
@@ -266,6 +297,8 @@ def _int_if_whole(x):
 def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
     """The inverse of model_config_from_hf: a config.json dict that transformers (and
     model_config_from_hf) read back as `cfg`. Raises ConfigError for what the model type cannot say."""
+    if cfg.is_moe:
+        raise ConfigError(f"{cfg.arch}: writing a mixture-of-experts config.json is not supported")
     mtype, cls = _HF_CLASSES[cfg.arch]
     gemma = cfg.arch.startswith("gemma")
 

@@ -64,6 +64,18 @@ _GEMMA_LAYER_MAP = {
     "pre_feedforward_layernorm.weight": ("layers.ffn_norm", "norm"),
     "post_feedforward_layernorm.weight": ("layers.post_ffn_norm", "norm"),
 }
+# Mixture-of-experts layers (Mixtral's block_sparse_moe, Qwen2/3-MoE's mlp): the router and Qwen2-MoE's
+# shared expert map like any linear; each expert's projections are stacked on a leading expert axis.
+_MOE_LAYER_MAP = {
+    "block_sparse_moe.gate.weight": ("layers.router", "linear"),
+    "mlp.gate.weight": ("layers.router", "linear"),
+    "mlp.shared_expert.gate_proj.weight": ("layers.shared_gate", "linear"),
+    "mlp.shared_expert.up_proj.weight": ("layers.shared_up", "linear"),
+    "mlp.shared_expert.down_proj.weight": ("layers.shared_down", "linear"),
+    "mlp.shared_expert_gate.weight": ("layers.shared_expert_gate", "linear"),
+}
+_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PROJ = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": ("embed", "embed"),
     "model.norm.weight": ("final_norm", "norm"),
@@ -180,6 +192,15 @@ def canonical_name(hf_name: str, cfg: ModelConfig, pooling: bool = False) -> tup
     if m:
         layer, suffix = int(m.group(1)), m.group(2)
         table = _GEMMA_LAYER_MAP if _is_gemma(cfg) else _LAYER_MAP
+        if cfg.is_moe:
+            table = {**table, **_MOE_LAYER_MAP}
+            em = _EXPERT.match(suffix)
+            if em:
+                e = int(em.group(1))
+                if e >= cfg.num_experts or layer >= cfg.num_layers:
+                    raise SafetensorsError(f"tensor {hf_name!r}: expert {e} of layer {layer}, but the config has "
+                                           f"{cfg.num_experts} experts and {cfg.num_layers} layers")
+                return f"layers.experts_{_EXPERT_PROJ[em.group(2)]}", layer, f"expert:{e}"
         if suffix in table:
             if layer >= cfg.num_layers:
                 raise SafetensorsError(f"tensor {hf_name!r}: layer {layer} but the config has {cfg.num_layers} layers")
@@ -224,6 +245,9 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
     files = [Path(f) for f in files] if files else checkpoint_files(model_dir)
     headers = [(p, *read_header(p)) for p in files]
     scheme = hf_quant.quant_config_from_dir(model_dir) if quant == "auto" else quant
+    if scheme and cfg.is_moe:
+        raise SafetensorsError(f"quantized ({scheme.method}) mixture-of-experts checkpoints are not supported")
+    experts: dict[tuple[str, int], dict[int, np.ndarray]] = {}  # a layer's experts, stacked once all are read
     where = {name: (path, start, info) for path, start, header in headers for name, info in header.items()}
     modules, skip = hf_quant.plan_modules(where, scheme) if scheme else ({}, set())
     primary = {ps[scheme.primary]: mod for mod, ps in modules.items()}
@@ -249,6 +273,17 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
                     continue
                 canon, layer, kind = target
                 arr = _map_tensor(path, data_start, hf_name, info)
+                if kind.startswith("expert:"):
+                    if arr.ndim != 2:
+                        raise SafetensorsError(f"tensor {hf_name!r} should be 2-D, has shape {arr.shape}")
+                    parts = experts.setdefault((canon, layer), {})
+                    parts[int(kind[len("expert:"):])] = arr.T
+                    if len(parts) == cfg.num_experts:
+                        yield canon, layer, np.stack([parts[e] for e in range(cfg.num_experts)])
+                        del experts[(canon, layer)]
+                    del arr, parts
+                    bar.update(nbytes)
+                    continue
                 if kind == "linear":
                     if arr.ndim != 2:
                         raise SafetensorsError(f"tensor {hf_name!r} should be 2-D, has shape {arr.shape}")
@@ -260,6 +295,9 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
                 yield canon, layer, arr
                 del arr
                 bar.update(nbytes)
+    for (canon, layer), parts in experts.items():
+        missing = sorted(set(range(cfg.num_experts)) - set(parts))
+        raise SafetensorsError(f"{canon}[{layer}]: experts {missing} are missing from the checkpoint")
 
 
 def _zero_biases(modules: dict, where: dict, cfg: ModelConfig, pooling: bool = False) -> set[str]:

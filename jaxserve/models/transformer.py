@@ -26,6 +26,7 @@ from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
 from jaxserve.kernels.rms_norm.reference import add_rms_norm as _add_rms_norm_ref
 from jaxserve.kernels.rms_norm.reference import rms_norm  # noqa: F401  (the model's norm, re-exported)
 from jaxserve.kernels.rope_kv.reference import apply_rope
+from jaxserve.models import moe
 from jaxserve.models.rope import rope_tables
 from jaxserve.quant.qweight import QWeight
 
@@ -127,8 +128,10 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x, h = add_norm(x, o, w["ffn_norm"], eps)
     down_split = split_sums and not cfg.sandwich_norms
-    native_down = isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
-    if "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
+    native_down = not cfg.is_moe and isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
+    if cfg.is_moe:
+        m = moe.moe_mlp(cfg, h, w, lambda a: _act(cfg, a))
+    elif "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
         # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
         m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
     else:

@@ -48,6 +48,19 @@ def weight_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
         "layers.up": WeightSpec((L, D, F), ("layers", "embed", "mlp")),
         "layers.down": WeightSpec((L, F, D), ("layers", "mlp", "embed")),
     }
+    if cfg.is_moe:  # experts instead of one MLP (models/moe.py)
+        E, Fm, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_size
+        for n in ("gate", "up", "down"):
+            del s[f"layers.{n}"]
+        s["layers.router"] = WeightSpec((L, D, E), ("layers", "embed", "experts"))
+        s["layers.experts_gate"] = WeightSpec((L, E, D, Fm), ("layers", "experts", "embed", "moe_mlp"))
+        s["layers.experts_up"] = WeightSpec((L, E, D, Fm), ("layers", "experts", "embed", "moe_mlp"))
+        s["layers.experts_down"] = WeightSpec((L, E, Fm, D), ("layers", "experts", "moe_mlp", "embed"))
+        if Fs:
+            s["layers.shared_gate"] = WeightSpec((L, D, Fs), ("layers", "embed", "mlp"))
+            s["layers.shared_up"] = WeightSpec((L, D, Fs), ("layers", "embed", "mlp"))
+            s["layers.shared_down"] = WeightSpec((L, Fs, D), ("layers", "mlp", "embed"))
+            s["layers.shared_expert_gate"] = WeightSpec((L, D, 1), ("layers", "embed", "gate_out"))
     if not cfg.tie_word_embeddings:
         s["lm_head"] = WeightSpec((D, V), ("embed", "vocab"))
     if cfg.attention_bias:

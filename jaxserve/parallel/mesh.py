@@ -54,6 +54,9 @@ def check_tp(cfg, tp: int) -> dict[str, str | None]:
     rules = dict(LOGICAL_RULES)
     if tp == 1:
         return rules
+    if cfg.is_moe:
+        raise ValueError(f"tensor parallelism (tp {tp}) is not implemented for mixture-of-experts models; "
+                         "run them on one device (or data-parallel replicas of one)")
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_heads {cfg.num_heads}")
