@@ -9,6 +9,7 @@
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
+#                                               moe
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -43,6 +44,10 @@ for part in "$@"; do
     q4k) tp 100 --workloads 1x128x512 --quant q4k --int8-activations | tail -3 ;;
     q8_0) tp 100 --workloads 1x128x512 --quant q8_0 --int8-activations | tail -3 ;;
     fp8) tp 150 --workloads 1x128x512,32x1024x128 --quant fp8 | tail -4 ;;
+    # Mixture of experts (session 15, not yet measured): Qwen3-30B-A3B shape, bf16 (61 GB), grouped
+    # matmuls (jax.lax.ragged_dot); bs1 reads ~3.3B active weights a token: roofline ~650 tok/s.
+    moe) timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
+           --workloads 1x128x256,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -4 ;;
     # What XLA's GEMM autotuning costs at start-up and buys at run time (measured: RESULTS.md session 9)
     startup-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 200 python3 bench/startup.py \
                --model random:llama-3.1-8b --cache-dir "/tmp/jaxserve-suite-cache-noat-$$" --runs cold \
