@@ -271,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cors-origins", default=None, help="comma-separated origins; off by default")
     s.add_argument("--max-queue", type=int, default=256)
     s.add_argument("--request-timeout", type=float, default=600.0)
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="put a thinking model's <think>...</think> text in the chat message's reasoning_content "
+                        "(deepseek_r1: replies start inside the thinking, as DeepSeek-R1, QwQ and Qwen3 "
+                        "*-Thinking-2507; qwen3: only when the reply opens with <think>)")
     s.add_argument("--log-level", dest="server_log_level", default=None,
                    choices=["debug", "info", "warning", "error"])
     r.set_defaults(func=cmd_run)

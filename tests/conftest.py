@@ -178,9 +178,11 @@ LONG_PROMPT_TOKENS = int(os.environ.get("JAXSERVE_TEST_LONG_PROMPT", "8000"))
 # the first time any is needed, so their model loads and compiles overlap. `used_by`: test modules.
 SERVER_CONFIGS = {
     # the main server: most tests
-    "main": dict(used_by=("test_server", "test_server_long"),
+    "main": dict(used_by=("test_server", "test_server_long", "test_reasoning"),
                  args=["--max-model-len", "2048", "--max-num-seqs", "16", "--mem", "400",
-                       "--served-model-name", "smol", "--max-queue", "64"]),
+                       "--served-model-name", "smol", "--max-queue", "64",
+                       # a no-op unless a reply opens with <think> (tests/test_reasoning.py forces one)
+                       "--reasoning-parser", "qwen3"]),
     # a long prompt beside a running stream: chunked prefill mixed with decode
     "long": dict(used_by=("test_server_long",),
                  args=["--max-model-len", str(max(4096, LONG_PROMPT_TOKENS + 192)), "--max-num-seqs", "2",

@@ -6,7 +6,7 @@ import logging
 
 from aiohttp import web
 
-from jaxserve.server import structured, tools
+from jaxserve.server import reasoning, structured, tools
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import Generation, Prompt, chat_logprobs, new_id
 from jaxserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
@@ -33,24 +33,27 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
         ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)),
         ("tool_choice", structured.forced_tool_spec(funcs, forced, one_call) if forced else None)))
     params = chat_params(state, req, spec)
-    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, funcs)
+    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, funcs, req.chat_template_kwargs)
+    parser = getattr(state.args, "reasoning_parser", None)
     gen = Generation(state, [Prompt(ids)], params, new_id("chatcmpl"), prompt_param="messages")
     gen.submit()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream(request, state, gen, model, include_usage, funcs, one_call, forced)
+        return await _stream(request, state, gen, model, include_usage, funcs, one_call, forced, parser)
     await gen.run()
     want_lp = params.logprobs is not None
     choices = []
     for c in gen.choices:
+        thought, text = reasoning.split(parser, c.full_text) if parser else (None, c.full_text)
         if forced:
-            calls = tools.parse_forced(c.full_text, forced)
-            content = None if calls else c.full_text  # a "required" reply cut before its first call ended
+            calls = tools.parse_forced(text or "", forced)
+            content = None if calls else text  # a "required" reply cut before its first call ended
         else:
-            content, calls = tools.parse(c.full_text, funcs) if funcs else (c.full_text, [])
+            content, calls = tools.parse(text, funcs) if funcs and text is not None else (text, [])
         calls = calls[:1] if one_call else calls
         choices.append(ChatChoice(
-            index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None),
+            index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None,
+                                                  reasoning_content=thought),
             logprobs=ChatChoiceLogprobs(content=chat_logprobs(state, c.token_ids, c.logprobs)) if want_lp else None,
             # a call cut off by max_tokens says so ("length"): its arguments are incomplete JSON
             finish_reason="tool_calls" if calls and c.finish_reason != "length" else c.finish_reason))
@@ -60,7 +63,7 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
 
 async def _stream(request, state, gen: Generation, model: str, include_usage: bool,
                   funcs: list[dict] | None = None, one_call: bool = False,
-                  forced: str | None = None) -> web.StreamResponse:
+                  forced: str | None = None, parser: str | None = None) -> web.StreamResponse:
     want_lp = gen.params.logprobs is not None
     base = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model}
 
@@ -73,12 +76,17 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
     def choice(index: int, delta: dict, lp=None, finish=None) -> dict:
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
+    def delta(text: str | None, thought: str | None) -> dict:
+        return {**({"reasoning_content": thought} if thought else {}), **({"content": text} if text else {})}
+
     w = SSEWriter(request)
     finished: set[int] = set()
     # with tools: content is streamed until a call may have begun (server/tools.StreamHolder)
     # a forced call (tool_choice "required" or named) streams no content: its calls come at the end
     holders = {c.index: tools.ForcedCallHolder(forced) if forced else tools.StreamHolder()
                for c in gen.choices} if funcs else {}
+    # with a reasoning parser: the thinking streams as reasoning_content, the rest as content
+    splitters = {c.index: reasoning.ReasoningSplitter(parser) for c in gen.choices} if parser else {}
 
     async def on_updates(updates) -> None:
         chunks = []
@@ -89,8 +97,11 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
             lp = None
             if want_lp and u.token_ids:
                 lp = {"content": chat_logprobs(state, u.token_ids, u.logprobs), "refusal": None}
-            text = holders[idx].feed(u.text or "") if funcs else u.text
-            if not (text or lp or u.finished):
+            text, thought = u.text or "", ""
+            if parser:
+                thought, text = splitters[idx].feed(text, final=u.finished)
+            text = holders[idx].feed(text) if funcs else text
+            if not (text or thought or lp or u.finished):
                 continue
             fin = u.choice.finish_reason if u.finished else None
             calls = []
@@ -101,10 +112,10 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
             if u.finished:
                 finished.add(idx)
             if not calls:
-                chunks.append(chunk([choice(idx, {"content": text} if text else {}, lp, fin)]))
+                chunks.append(chunk([choice(idx, delta(text, thought), lp, fin)]))
                 continue
-            if text or lp:
-                chunks.append(chunk([choice(idx, {"content": text} if text else {}, lp)]))
+            if text or thought or lp:
+                chunks.append(chunk([choice(idx, delta(text, thought), lp)]))
             chunks.append(chunk([choice(idx, {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]})]))
             chunks.append(chunk([choice(idx, {}, None, "length" if fin == "length" else "tool_calls")]))
         await w.send(chunks)

@@ -101,6 +101,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool | None = None  # vLLM extension
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra template variables
     parallel_tool_calls: bool | None = None  # False: at most one call per reply (the first)
     tools: Any = None  # validated by server/tools.check_tools
     tool_choice: Any = None
@@ -129,6 +130,7 @@ class TokenizeRequest(_Req):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Req):
@@ -246,12 +248,14 @@ class ChatMessageOut(_Resp):
     content: str | None
     refusal: str | None = None
     tool_calls: list[dict] | None = None  # server/tools.parse; left out of the JSON when None
+    reasoning_content: str | None = None  # --reasoning-parser (server/reasoning.py); left out when None
 
     @model_serializer(mode="wrap")
     def _omit_absent_tool_calls(self, handler):
         d = handler(self)
-        if d.get("tool_calls") is None:
-            d.pop("tool_calls", None)
+        for k in ("tool_calls", "reasoning_content"):
+            if d.get(k) is None:
+                d.pop(k, None)
         return d
 
 

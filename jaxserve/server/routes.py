@@ -92,7 +92,7 @@ async def tokenize(request: web.Request, state, body) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
-        ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+        ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
     else:
         ids = state.engine.tokenizer.encode(req.prompt)
     return web.json_response({"count": len(ids), "max_model_len": state.engine.ecfg.max_model_len,

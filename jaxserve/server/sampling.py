@@ -201,9 +201,18 @@ def messages_for_template(messages: list[ChatMessage], native_tools: bool = True
     return out
 
 
+_RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt")
+
+
 def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: bool | None,
-                    funcs: list[dict] | None = None) -> list[int]:
-    """The prompt's token ids; funcs: the declared tools (server/tools.check_tools) or None."""
+                    funcs: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """The prompt's token ids; funcs: the declared tools (server/tools.check_tools) or None;
+    template_kwargs: extra variables for the chat template (vLLM's chat_template_kwargs, e.g.
+    {"enable_thinking": false} for Qwen3)."""
+    bad = sorted(set(template_kwargs or {}) & set(_RESERVED_TEMPLATE_VARS))
+    if bad:
+        raise bad_request(f"chat_template_kwargs cannot set {', '.join(bad)} (they are request fields)",
+                          "chat_template_kwargs")
     if state.template is None:
         raise bad_request(f"chat is not available for this model: {state.template_error}", "messages")
     native = tools.uses_tools(state.template.source)
@@ -217,7 +226,7 @@ def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: b
     try:
         text = state.template.render(msgs, tools=tools.template_tools(funcs) if funcs and native else None,
                                      add_generation_prompt=True if add_generation_prompt is None
-                                     else add_generation_prompt)
+                                     else add_generation_prompt, **(template_kwargs or {}))
     except Exception as e:  # template errors and roles the template cannot render
         raise bad_request(f"chat template error: {e}", "messages") from None
     return state.engine.tokenizer.encode(text)
