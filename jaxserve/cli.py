@@ -37,6 +37,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "classifier_from_token, is_original_qwen3_reranker, method (Qwen3-Reranker: "
                         "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
                         "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}')")
+    g.add_argument("--lora", action="append", default=None, metavar="DIR",
+                   help="a PEFT LoRA adapter directory merged into the weights at load (repeat for several)")
     g.add_argument("--isq", default=None, metavar="FMT",
                    help="quantize dense matmul weights at load: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k")
     g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
@@ -132,6 +134,8 @@ def engine_config_from_args(args):
         kw["scan_layers"] = args.scan_layers == "on"
     if getattr(args, "isq", None):
         kw["isq"] = args.isq
+    if getattr(args, "lora", None):
+        kw["lora"] = tuple(args.lora)
     if getattr(args, "packed", "auto") != "auto":
         kw["packed_weights"] = args.packed == "on"
     if getattr(args, "int8_activations", False):

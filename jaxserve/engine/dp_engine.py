@@ -126,7 +126,7 @@ class DataParallelEngine:
         else:
             lm = load_model(model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
                             yarn_scaling_factor=yarn_scaling_factor, revision=revision, tp=tp, dp=dp,
-                            devices=devices, packed=ecfg.packed_weights, isq=ecfg.isq)
+                            devices=devices, packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora)
         self.load_seconds = time.perf_counter() - t0
         self.dp, self.tp = dp, tp
         # Split before building any replica: a replica's runner may re-lay out its own weights.

@@ -82,6 +82,8 @@ class LLM:
         if is_embedding_model(model, revision, task, hf_overrides):  # embed / rerank / score / classify only
             if (tensor_parallel_size or 1) != 1 or data_parallel_size != 1 or num_nodes != 1:
                 raise ValueError("embedding models run on one device")
+            if engine_kwargs.get("lora"):
+                raise ValueError("lora adapters are merged into generative models only")
             kw = {k: engine_kwargs[k] for k in ("dtype", "max_model_len") if k in engine_kwargs}
             self.engine = EmbeddingEngine(model, revision=revision, task=task, hf_overrides=hf_overrides, **kw)
             self.is_follower, self.tokenizer = False, self.engine.tokenizer

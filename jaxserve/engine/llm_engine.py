@@ -135,7 +135,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                dtype: str = "float32",
                yarn_scaling_factor: float | None = None, revision: str | None = None,
                tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
-               isq: str | None = None, lm_head: bool = True) -> LoadedModel:
+               isq: str | None = None, lm_head: bool = True, lora: tuple[str, ...] = ()) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device.
 
     tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
@@ -143,7 +143,9 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     packed: quantized matmul weights stay packed on the device. None: on one device, where on CPU
     they go to the native quantized kernel (kernels/quant_matmul/cpu_native; dequantized to f32 when
     it cannot be built); True on CPU keeps QWeights on the jnp reference path (exact, slow: checks);
-    isq: quantize dense matmul weights into that format at load (packed, or dequantized when not)."""
+    isq: quantize dense matmul weights into that format at load (packed, or dequantized when not).
+    lm_head False: see open_model. lora: PEFT LoRA adapter directories merged into the weights
+    (loader/lora.py), before any ISQ."""
     import jax
     import jax.numpy as jnp
 
@@ -172,6 +174,10 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     cfg = src.cfg
     mesh, rules, shardings = _placement(cfg, tp, devices, dp)
     stream = src.tensors()
+    if lora:
+        from jaxserve.loader import lora as lora_mod
+
+        stream = lora_mod.merge(stream, [lora_mod.open_adapter(p, cfg) for p in lora])
     if isq:
         from jaxserve.quant.stream import quantize_stream
 
@@ -339,7 +345,7 @@ class LLMEngine:
         lm = model if isinstance(model, LoadedModel) else load_model(
             model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
             yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices,
-            packed=ecfg.packed_weights, isq=ecfg.isq)
+            packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora)
         self.load_seconds = time.perf_counter() - t0
         log.info("model %s loaded in %.1fs", getattr(model, "name", model), self.load_seconds)
         self.model = lm

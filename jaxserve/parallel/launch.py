@@ -87,7 +87,7 @@ def build_engine(model=None, *, engine_config: EngineConfig | None = None, tp: i
         if ids is not None and len(list(ids)) != tp * dp:
             raise ConfigError(f"--d lists {len(list(ids))} devices but tp*dp = {tp * dp}")
     load_kw = dict(file=file, weights_file=weights_file, dtype=ecfg.dtype, yarn_scaling_factor=yarn_scaling_factor,
-                   revision=revision, packed=ecfg.packed_weights, isq=ecfg.isq)
+                   revision=revision, packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora)
     if num_nodes > 1:
         import jax
 
@@ -119,7 +119,7 @@ def build_engine(model=None, *, engine_config: EngineConfig | None = None, tp: i
         from jaxserve.engine.dp_engine import DataParallelEngine
 
         return DataParallelEngine(model, dp=dp, tp=tp, devices=devs, engine_config=ecfg, attention=attention,
-                                  warmup=warmup, **{k: v for k, v in load_kw.items() if k not in ("dtype", "packed", "isq")})
+                                  warmup=warmup, **{k: v for k, v in load_kw.items() if k not in ("dtype", "packed", "isq", "lora")})
     from jaxserve.engine.runner import setup_compilation_cache
 
     setup_compilation_cache(ecfg.compile_cache_dir)

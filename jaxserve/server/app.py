@@ -209,6 +209,8 @@ def _load_engine(args, ecfg):
 
     task, overrides = getattr(args, "task", "auto"), getattr(args, "hf_overrides", None)
     if is_embedding_model(args.model, getattr(args, "revision", None), task, overrides):
+        if ecfg.lora:
+            raise ValueError("--lora adapters are merged into generative models only")
         return EmbeddingEngine(args.model, dtype=ecfg.dtype, revision=getattr(args, "revision", None),
                                max_model_len=getattr(args, "max_model_len", None), task=task,
                                hf_overrides=overrides)

@@ -1,0 +1,130 @@
+"""LoRA adapters merged into the base weights at load (`--lora PATH`, `LLM(..., lora=[PATH])`).
+
+A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as `peft` saves it) adds
+scale * B @ A to each target linear (scale = lora_alpha / r, or / sqrt(r) with use_rslora; per-module
+rank_pattern / alpha_pattern honoured). Merging once at load costs nothing per token and works on
+every path (GPU kernels, tensor parallelism, ISQ: the merged weights are what gets quantized). A target
+that arrives packed (a GGUF or quantized checkpoint) is dequantized, merged and kept dense, as
+llama.cpp's merge does. What an adapter asks for that a plain merge cannot give (DoRA, trained biases,
+embedding or LM-head adapters, modules saved whole) is refused at load, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter this loader cannot merge (one line naming what)."""
+
+
+@dataclass
+class LoraAdapter:
+    path: Path
+    # (canonical name, layer) -> (A [r, in], B [out, r], scale), for the base model's config
+    deltas: dict = field(default_factory=dict)
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key (a regex over the module's name or
+    its dotted end) that names this module."""
+    for key, v in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?(?:{key})", module):
+            return v
+    return default
+
+
+def open_adapter(path: str | Path, cfg) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter for a base model of config `cfg` (ModelConfig)."""
+    from jaxserve.loader.safetensors_loader import SafetensorsError, _map_tensor, canonical_name, read_header
+
+    d = Path(path).expanduser()
+    conf_file = d / "adapter_config.json"
+    if not conf_file.is_file():
+        raise LoraError(f"{d}: not a LoRA adapter directory (no adapter_config.json)")
+    c = json.loads(conf_file.read_text())
+    if str(c.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoraError(f"{d}: peft_type {c.get('peft_type')!r} is not LORA")
+    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
+        if c.get(key) is bad:
+            raise LoraError(f"{d}: {key} adapters are not supported")
+    if c.get("bias", "none") not in ("none", None):
+        raise LoraError(f"{d}: adapters with trained biases (bias={c['bias']!r}) are not supported")
+    if c.get("modules_to_save"):
+        raise LoraError(f"{d}: modules_to_save {c['modules_to_save']} (whole modules saved with the adapter) "
+                        "are not supported")
+    files = sorted(d.glob("adapter_model*.safetensors"))
+    if not files:
+        raise LoraError(f"{d}: no adapter_model.safetensors (a .bin adapter must be converted to safetensors)")
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for f in files:
+        start, header = read_header(f)
+        for name, info in header.items():
+            m = _KEY.match(name)
+            if not m:
+                raise LoraError(f"{d}: tensor {name!r} is not a LoRA A/B weight (embedding adapters, DoRA "
+                                "magnitudes and saved modules are not supported)")
+            parts.setdefault(m.group(1), {})[m.group(2)] = np.asarray(_map_tensor(f, start, name, info), np.float32)
+    r0, alpha0 = int(c.get("r", 8)), float(c.get("lora_alpha", 8))
+    out = LoraAdapter(d)
+    for module, ab in parts.items():
+        if set(ab) != {"A", "B"}:
+            raise LoraError(f"{d}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        hf = module if module.startswith("model.") or module == "lm_head" else "model." + module
+        try:
+            target = canonical_name(hf + ".weight", cfg)
+        except SafetensorsError:
+            target = None
+        if target is None or target[2] != "linear" or target[0] == "lm_head":
+            raise LoraError(f"{d}: the adapter targets {module!r}, which is not a linear layer of this "
+                            f"{cfg.arch} model's blocks")
+        a, b = ab["A"], ab["B"]
+        r = _pattern_value(c.get("rank_pattern"), module, r0)
+        alpha = _pattern_value(c.get("alpha_pattern"), module, alpha0)
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] != r:
+            raise LoraError(f"{d}: {module}: lora_A {a.shape} and lora_B {b.shape} do not make a rank-{r} update")
+        scale = alpha / (math.sqrt(r) if c.get("use_rslora") else r)
+        out.deltas[(target[0], target[1])] = (a, b, scale)
+    if not out.deltas:
+        raise LoraError(f"{d}: the adapter has no LoRA weights")
+    return out
+
+
+def merge(stream: Iterator, adapters: list[LoraAdapter]) -> Iterator:
+    """The canonical tensor stream with each adapter's update added to its targets ([in, out] layout:
+    W += scale * A.T @ B.T). Every target must appear in the stream."""
+    from jaxserve.quant.qweight import QWeight, dequantize
+
+    pending = {}
+    for ad in adapters:
+        for key, delta in ad.deltas.items():
+            pending.setdefault(key, []).append(delta)
+    for name, layer, arr in stream:
+        deltas = pending.pop((name, layer), None)
+        if deltas:
+            if isinstance(arr, QWeight):
+                log.info("lora: %s[%s] is packed; merged into its dequantized weights (kept dense)", name, layer)
+                arr = dequantize(arr)
+            w = np.array(arr, np.float32)  # a copy: the source may be a read-only memory map
+            if w.shape != (deltas[0][0].shape[1], deltas[0][1].shape[0]):
+                raise LoraError(f"lora: {name}[{layer}] is {w.shape}, the adapter's update is "
+                                f"{(deltas[0][0].shape[1], deltas[0][1].shape[0])}")
+            for a, b, scale in deltas:
+                w += np.float32(scale) * (a.T @ b.T)
+            arr = w
+        yield name, layer, arr
+    if pending:
+        missing = ", ".join(f"{n}[{l}]" for n, l in sorted(pending, key=str)[:4])
+        raise LoraError(f"lora: the adapter's targets {missing} are not in the base model's weights")

@@ -1,0 +1,96 @@
+"""LoRA adapters merged at load (loader/lora.py) against PEFT's own merge_and_unload in transformers:
+a tiny random Llama with an adapter on attention and MLP projections (per-module rank and alpha
+patterns, rsLoRA), every position's log_softmax through the paged cache; the real SmolLM2 GGUF with an
+adapter on packed weights (dequantized, merged, kept dense) against the dequantized model plus the
+update; and the refusals."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hf_tiny import make_tiny_model
+from jaxserve.engine.llm_engine import load_model
+from jaxserve.loader.lora import LoraError
+from test_parity_hf import check_paged_parity
+from tiny_tokenizer import add_byte_tokenizer
+
+
+def _adapter(model, out, **kw):
+    """A PEFT LoRA adapter of `model` with random A and B (PEFT would start B at zero), saved to `out`."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    conf = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kw)
+    pm = get_peft_model(model, conf)
+    pm.save_pretrained(out)
+    return pm
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_merged_adapter_matches_peft(tmp_path, rslora):
+    import transformers
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    base = transformers.AutoModelForCausalLM.from_pretrained(d)
+    pm = _adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, use_rslora=rslora,
+                  target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+                  rank_pattern={"down_proj": 2}, alpha_pattern={"layers.1.self_attn.q_proj": 3})
+    merged = tmp_path / "merged"
+    pm.merge_and_unload().save_pretrained(merged)  # transformers' reference: the merged model
+    lm = load_model(str(d), lora=(str(tmp_path / "adapter"),))
+    check_paged_parity(merged, lm.cfg, lm.weights)
+
+
+def test_adapter_on_packed_gguf_weights(tmp_path):
+    """SmolLM2's Q4_1 GGUF: targets arrive packed, are dequantized and merged; the rest stays packed."""
+    import jax
+
+    from model_files import smollm2_gguf
+    from safetensors.numpy import save_file
+
+    cfg = load_model(str(smollm2_gguf()), packed=False).cfg
+    rng = np.random.default_rng(0)
+    D, Q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    a = (rng.standard_normal((2, D)) * 0.05).astype(np.float32)
+    b = (rng.standard_normal((Q, 2)) * 0.05).astype(np.float32)
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    save_file({"base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight": a,
+               "base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight": b}, str(ad / "adapter_model.safetensors"))
+    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                       "target_modules": ["q_proj"]}))
+    dense = load_model(str(smollm2_gguf()), packed=False)
+    merged = load_model(str(smollm2_gguf()), lora=(str(ad),))  # packed (native CPU kernel) elsewhere
+    layers = merged.weights["layers"]
+    q3 = layers[3]["q"] if isinstance(layers, list) else layers["q"][3]
+    want = np.asarray(dense.weights["layers"]["q"][3]) + 2.0 * (a.T @ b.T)
+    np.testing.assert_allclose(np.asarray(q3), want, atol=1e-5)
+    if isinstance(layers, list):  # the other layers' q stay packed
+        assert not isinstance(layers[2]["q"], jax.Array)
+
+
+def test_refusals(tmp_path):
+    import transformers
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    base = transformers.AutoModelForCausalLM.from_pretrained(d)
+    _adapter(base, tmp_path / "a", r=2, lora_alpha=2, target_modules=["q_proj"])
+    conf = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    for change, match in [({"use_dora": True}, "use_dora"), ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                          ({"bias": "all"}, "biases"), ({"peft_type": "IA3"}, "LORA")]:
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**conf, **change}))
+        with pytest.raises(LoraError, match=match):
+            load_model(str(d), lora=(str(tmp_path / "a"),))
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(LoraError, match="adapter_config.json"):
+        load_model(str(d), lora=(str(tmp_path),))
+    other = add_byte_tokenizer(make_tiny_model("llama", tmp_path / "wide", hidden_size=96))
+    with pytest.raises(LoraError, match="adapter"):  # an adapter made for another model's shapes
+        load_model(str(other), lora=(str(tmp_path / "a"),))
+    from jaxserve.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="lora"):
+        EngineConfig(lora="path")
+    assert EngineConfig(lora=["x"]).lora == ("x",)
