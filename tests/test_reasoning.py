@@ -94,3 +94,42 @@ def test_chat_template_kwargs_requests(url):
         validate_schema(err, "ErrorResponse")
     status, err = post_json(f"{url}/v1/chat/completions", chat_body("hi", chat_template_kwargs=["x"]))
     assert status == 400, err
+
+
+def _think_model(tmp_path):
+    """A tiny random Llama whose vocabulary has <think> (256) and </think> (257) as single tokens."""
+    from hf_tiny import make_tiny_model
+    from tiny_tokenizer import add_byte_tokenizer
+
+    return add_byte_tokenizer(make_tiny_model("llama", tmp_path, vocab_size=258), special=("<think>", "</think>"))
+
+
+def test_grammar_after_reasoning(tmp_path):
+    """AfterReasoning's masks and phases, then the engine: a prompt that opened the thinking lets the
+    model close it freely (a logit bias makes it pick </think>) before the regex holds."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.engine.structured import AfterReasoning, GrammarCompiler, GrammarMatcher, StructuredOutput
+
+    llm = LLM(str(_think_model(tmp_path)), max_model_len=64, num_blocks=32)
+    tok = llm.tokenizer
+    gc = GrammarCompiler(tok, 258)
+    spec = StructuredOutput(regex="[a-c]{3}", after_reasoning=True)
+    allowed = lambda m: {t for t in range(258) if m[t // 32] >> (t % 32) & 1}
+    abc = {ord(c) - 33 for c in "abc"}  # the byte vocabulary numbers printable bytes from "!"
+    assert [tok.encode(c, add_special_tokens=False)[0] for c in "abc"] == sorted(abc)
+    m = gc.matcher(spec, tok.encode("hi", add_special_tokens=False))  # not opened: <think> or the answer
+    assert isinstance(m, AfterReasoning) and allowed(m.mask()) == abc | {256}
+    assert m.accept(256) and allowed(m.mask()) == set(range(258))  # thinking: anything
+    assert m.accept(ord("x") - 33) and m.accept(257) and allowed(m.mask()) == abc  # after </think>
+    assert all(m.accept(ord(c) - 33) for c in "abc") and m.done
+    m = gc.matcher(spec, [256, 257])  # thinking opened and closed in the prompt: the answer at once
+    assert allowed(m.mask()) == abc | {256} and m.accept(ord("a") - 33) and allowed(m.mask()) == abc
+    assert type(gc.matcher(StructuredOutput(regex="[a-c]{3}"), [256])) is GrammarMatcher
+
+    prompt = tok.encode("hi", add_special_tokens=False) + [256]  # the template opened the thinking
+    kw = dict(temperature=0, max_tokens=8, logit_bias={257: 40.0})
+    out = llm.generate([prompt], SamplingParams(structured=spec, **kw))[0].outputs[0]
+    assert out.token_ids[0] == 257 and len(out.token_ids) == 4 and set(out.token_ids[1:]) <= abc, out.token_ids
+    assert out.finish_reason == "stop"
+    plain = llm.generate([prompt], SamplingParams(structured=StructuredOutput(regex="[a-c]{3}"), **kw))[0].outputs[0]
+    assert len(plain.token_ids) == 3 and set(plain.token_ids) <= abc, plain.token_ids  # </think> not allowed

@@ -446,7 +446,7 @@ class LLMEngine:
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
                            choice_index=i, sample_seed=seed & 0x7FFFFFFF)
             if params.structured is not None:
-                seq.matcher = self.grammar_compiler.matcher(params.structured)
+                seq.matcher = self.grammar_compiler.matcher(params.structured, prompt_ids)
             if arrival_time is not None:
                 seq.arrival_time = arrival_time
             self.text_states[seq.seq_id] = TextState(seq, self.tokenizer)

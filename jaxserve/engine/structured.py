@@ -51,6 +51,9 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # a reasoning model's answer (the server's --reasoning-parser): the grammar starts after the
+    # model's <think>...</think>, which is free (AfterReasoning)
+    after_reasoning: bool = False
 
     def __post_init__(self):
         if self.choice is not None:
@@ -157,6 +160,9 @@ class GrammarCompiler:
         self._hf_json = tokenizer.backend.to_str()
         self._eos = sorted(tokenizer.eos_token_ids) or None
         self._n_tok = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        # <think> and </think> as single tokens (reasoning models); None where the vocabulary lacks them
+        ids = tuple(tokenizer.backend.token_to_id(t) for t in THINK_TAGS)
+        self._think = ids if None not in ids else None
         self.vocab_size = int(vocab_size)  # logits width (may exceed the tokenizer's: padded embeddings)
         self._lltok = None
         self._lock = threading.Lock()  # the server validates requests on several threads
@@ -176,8 +182,10 @@ class GrammarCompiler:
                 raise self._lltok
             return self._lltok
 
-    def matcher(self, spec: StructuredOutput) -> "GrammarMatcher":
+    def matcher(self, spec: StructuredOutput, prompt_ids: list[int] | None = None):
         """A fresh matcher at the start of the output; StructuredOutputError for an invalid grammar.
+        With spec.after_reasoning (and <think> / </think> single tokens), an AfterReasoning around it:
+        prompt_ids tell whether the prompt already opened the thinking.
         Compiled grammars are kept (LRU, CACHE_SIZE): the same spec again — a request's n choices and
         prompts, the engine's checks after the server's — is a copy (~1 us), not a compile (a large
         enum: ~0.3 s)."""
@@ -197,7 +205,14 @@ class GrammarCompiler:
                 self._cache[grammar] = base
                 while len(self._cache) > self.CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return GrammarMatcher(base.deep_copy(), self.vocab_size)
+        m = GrammarMatcher(base.deep_copy(), self.vocab_size)
+        if not spec.after_reasoning or self._think is None:
+            return m  # no thinking tags in this vocabulary: the grammar holds from the first token
+        start, end = self._think
+        ids = list(prompt_ids or ())
+        last_start = max((i for i, t in enumerate(ids) if t == start), default=-1)
+        opened = last_start >= 0 and end not in ids[last_start:]
+        return AfterReasoning(m, start, end, opened)
 
     def _compile(self, spec: StructuredOutput, grammar: str):
         llg = _llguidance()
@@ -213,6 +228,50 @@ class GrammarCompiler:
 def _first_line(msg: str) -> str:
     # llguidance appends its parser state and the whole grammar to errors: keep the message itself
     return msg.split("\n<state>")[0].split("\n<grammar>")[0].strip()
+
+
+THINK_TAGS = ("<think>", "</think>")
+
+
+class AfterReasoning:
+    """A grammar that starts once the model's reasoning has ended (vLLM's reasoning-aware structured
+    output): inside <think>...</think> every token is allowed; after </think> the grammar holds. When
+    the prompt has not opened the thinking, the first token may be <think> (the model thinks first)
+    or what the grammar allows (it answers at once: a model that does not think, or thinking
+    switched off in the prompt)."""
+
+    def __init__(self, inner: "GrammarMatcher", start: int, end: int, opened: bool):
+        self.inner, self.start, self.end = inner, start, end
+        self.phase = "thinking" if opened else "first"
+        self.words = inner.words
+
+    def mask(self) -> np.ndarray:
+        if self.phase == "thinking":
+            return np.full(self.words, 0xFFFFFFFF, np.uint32)
+        m = self.inner.mask()
+        if self.phase == "first":
+            m[self.start // 32] |= np.uint32(1 << (self.start % 32))
+        return m
+
+    def accept(self, token: int) -> bool:
+        if self.phase == "thinking":
+            if int(token) == self.end:
+                self.phase = "answer"
+            return True
+        if self.phase == "first":
+            if int(token) == self.start:
+                self.phase = "thinking"
+                return True
+            self.phase = "answer"
+        return self.inner.accept(token)
+
+    @property
+    def done(self) -> bool:
+        return self.phase == "answer" and self.inner.done
+
+    @property
+    def error(self) -> str:
+        return self.inner.error
 
 
 def mask_words(vocab_size: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from aiohttp import web
@@ -32,9 +33,11 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
         ("response_format", structured.from_response_format(req.response_format)),
         ("structured_outputs", structured.from_structured_outputs(req.structured_outputs)),
         ("tool_choice", structured.forced_tool_spec(funcs, forced, one_call) if forced else None)))
+    parser = getattr(state.args, "reasoning_parser", None)
+    if spec is not None and parser:  # the constraint holds for the answer, after the thinking
+        spec = dataclasses.replace(spec, after_reasoning=True)
     params = chat_params(state, req, spec)
     ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, funcs, req.chat_template_kwargs)
-    parser = getattr(state.args, "reasoning_parser", None)
     gen = Generation(state, [Prompt(ids)], params, new_id("chatcmpl"), prompt_param="messages")
     gen.submit()
     if req.stream:
