@@ -29,24 +29,33 @@ def test_moe_parity_ragged_and_paged_decode(family, tmp_path):
     check_paged_parity(d, cfg, weights)
 
 
-def test_routing_matches_a_per_token_loop(tmp_path):
-    """moe_mlp's sorted, grouped matmuls against the plain definition: each token through its k experts."""
+@pytest.mark.parametrize("experts,k,tokens", [(8, 2, 1), (8, 2, 300), (32, 4, 3), (32, 4, 70), (32, 4, 400)])
+def test_routing_matches_a_per_token_loop(experts, k, tokens):
+    """moe_mlp against the plain definition (each token through its k experts, plus Qwen2-MoE's gated
+    shared expert) on every path: one-row tiles (decode), 16- and 64-row tiles (prompt chunks) and
+    all experts on every token (few experts, many pairs)."""
+    from jaxserve.config import ModelConfig
     from jaxserve.models import moe
 
-    d = make_tiny_model("qwen2_moe", tmp_path)
-    cfg = model_config_from_dir(d)
-    w = jax.tree.map(lambda a: np.asarray(a[0]), materialize(cfg, iter_safetensors_tensors(d, cfg),
-                                                             jnp.float32)["layers"])
-    h = np.random.default_rng(1).standard_normal((13, cfg.hidden_size)).astype(np.float32)
-    got = np.asarray(moe.moe_mlp(cfg, jnp.asarray(h), w, jax.nn.silu))
+    D, F, S = 32, 24, 40
+    cfg = ModelConfig(arch="qwen2_moe", vocab_size=10, hidden_size=D, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8, num_experts=experts, experts_per_token=k,
+                      moe_intermediate_size=F, norm_topk_prob=False, shared_expert_size=S)
+    rng = np.random.default_rng(experts + tokens)
+    r = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32) * 0.3)
+    w = {"router": r(D, experts), "experts_gate": r(experts, D, F), "experts_up": r(experts, D, F),
+         "experts_down": r(experts, F, D), "shared_gate": r(D, S), "shared_up": r(D, S), "shared_down": r(S, D),
+         "shared_expert_gate": r(D, 1)}
+    h = rng.standard_normal((tokens, D)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x: moe.moe_mlp(cfg, x, w, jax.nn.silu))(h))
+    w = {n: np.asarray(a) for n, a in w.items()}
     silu = lambda a: a / (1 + np.exp(-a))
     want = np.zeros_like(h)
-    for t in range(len(h)):
+    for t in range(tokens):
         logits = h[t] @ w["router"]
         p = np.exp(logits - logits.max())
         p /= p.sum()
-        top = np.argsort(-p)[:cfg.experts_per_token]
-        for e in top:  # qwen2_moe: no renormalisation of the chosen weights
+        for e in np.argsort(-p)[:k]:  # qwen2_moe: no renormalisation of the chosen weights
             want[t] += p[e] * (silu(h[t] @ w["experts_gate"][e]) * (h[t] @ w["experts_up"][e])) @ w["experts_down"][e]
         shared = (silu(h[t] @ w["shared_gate"]) * (h[t] @ w["shared_up"])) @ w["shared_down"]
         want[t] += shared / (1 + np.exp(-(h[t] @ w["shared_expert_gate"])))
@@ -96,3 +105,29 @@ def test_refusals(tmp_path):
     (d / "config.json").write_text(json.dumps({**c, "model_type": "qwen3_moe", "mlp_only_layers": [0]}))
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         model_config_from_dir(d)
+    # quantizing would leave the experts (most of the weights) dense: refused, as GGUF export
+    from jaxserve.engine.llm_engine import load_model
+    from tiny_tokenizer import add_byte_tokenizer
+    from tools.convert.gguf_export import ExportError, _check
+
+    q = add_byte_tokenizer(make_tiny_model("qwen3_moe", tmp_path / "q"))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        load_model(str(q), isq="q8_0")
+    with pytest.raises(ExportError, match="mixture-of-experts"):
+        _check(model_config_from_dir(q))
+
+
+def test_config_mapping_edge_cases():
+    """Layer types and expert counts as transformers reads them from configs the tiny models do not use."""
+    import transformers
+
+    from jaxserve.loader.hf_config import model_config_from_hf
+
+    for cls, want in ((transformers.Qwen2MoeConfig, ("sliding", "full", "full", "full")),
+                      (transformers.Qwen3MoeConfig, ("sliding",) * 4)):
+        hf = cls(num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2).to_dict()
+        hf.pop("layer_types", None)  # as older config.json files: the rule decides
+        assert model_config_from_hf(hf).layer_types == want, cls.__name__
+    mixtral = dict(model_type="mixtral", num_experts=16, num_experts_per_tok=2, vocab_size=10, hidden_size=32,
+                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    assert model_config_from_hf(mixtral).num_experts == 16  # transformers' alias of num_local_experts

@@ -182,6 +182,10 @@ def write_checkpoint(out: str | Path, src, isq: str, *, dtype: str = "auto", sou
     from tqdm.auto import tqdm
 
     from jaxserve.models.weights import iter_checked
+
+    if src.cfg.is_moe:
+        raise CheckpointError(f"{src.cfg.arch}: quantizing mixture-of-experts models is not supported (their "
+                              "experts, most of the weights, would stay dense)")
     from jaxserve.quant.qweight import QWeight
     from jaxserve.quant.stream import ISQ_WEIGHTS, quantize_stream
 

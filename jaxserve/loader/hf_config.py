@@ -146,9 +146,14 @@ def _layer_types(d: dict[str, Any], mtype: str, n: int) -> tuple[tuple[str, ...]
         if d.get("use_sliding_window") is False:
             return ("full",) * n, None
         types = ("sliding",) * n  # Mistral v0.1: every layer uses the window
-    elif mtype in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+    elif mtype in ("qwen2", "qwen3"):
         mwl = int(d.get("max_window_layers"))
         types = tuple("sliding" if i >= mwl else "full" for i in range(n))
+    elif mtype == "qwen3_moe":
+        types = ("sliding",) * n  # transformers' Qwen3-MoE: the window on every layer (no max_window_layers)
+    elif mtype == "qwen2_moe":  # transformers' Qwen2-MoE: odd-numbered (1-based) layers below max_window_layers
+        mwl = int(d.get("max_window_layers"))
+        types = tuple("sliding" if (i + 1) % 2 and i < mwl else "full" for i in range(n))
     elif mtype == "gemma2":
         types = tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
     else:  # gemma3_text: every `pattern`-th layer is global
@@ -194,6 +199,8 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
     parse_quant_config(config_dict.get("quantization_config"))  # an unreadable quantization fails here
     mtype, raw = _text_config(config_dict)
     d = dict(_DEFAULTS[mtype])
+    if mtype == "mixtral" and "num_experts" in raw and "num_local_experts" not in raw:
+        d.pop("num_local_experts")  # transformers maps Mixtral's num_experts onto num_local_experts
     d.update(raw)  # an explicit null in the file stays null (e.g. softcapping disabled)
     if mtype == "gemma3_text" and d.get("use_bidirectional_attention"):
         raise ConfigError("Gemma 3 with bidirectional attention (an embedding model) is not supported")

@@ -51,6 +51,8 @@ def gguf_name(name: str, layer: int | None) -> str:
 # ------------------------------------------------------------------------------------ metadata
 def _check(cfg: ModelConfig) -> None:
     """Refuse what gguf_model_config would read back differently."""
+    if cfg.is_moe:
+        raise ExportError(f"{cfg.arch}: GGUF export of mixture-of-experts models is not supported")
     gemma = cfg.arch.startswith("gemma")
     bad = []
     if cfg.hidden_act != ("gelu_tanh" if gemma else "silu"):
