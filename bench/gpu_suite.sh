@@ -46,7 +46,8 @@ for part in "$@"; do
     fp8) tp 150 --workloads 1x128x512,32x1024x128 --quant fp8 | tail -4 ;;
     # Mixture of experts (session 15, not yet measured): Qwen3-30B-A3B shape, bf16 (61 GB), grouped
     # matmuls (jax.lax.ragged_dot); bs1 reads ~3.3B active weights a token: roofline ~650 tok/s.
-    moe) timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
+    moe) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k routing 2>&1 | tail -2
+         timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
            --workloads 1x128x256,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -4 ;;
     # What XLA's GEMM autotuning costs at start-up and buys at run time (measured: RESULTS.md session 9)
     startup-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 200 python3 bench/startup.py \

@@ -29,10 +29,11 @@ def test_moe_parity_ragged_and_paged_decode(family, tmp_path):
     check_paged_parity(d, cfg, weights)
 
 
-@pytest.mark.parametrize("experts,k,tokens", [(8, 2, 1), (8, 2, 300), (32, 4, 3), (32, 4, 70), (32, 4, 400)])
+@pytest.mark.parametrize("experts,k,tokens", [(8, 2, 1), (8, 2, 300), (32, 4, 3), (32, 4, 70), (32, 4, 400),
+                                               (32, 4, 4500)])
 def test_routing_matches_a_per_token_loop(experts, k, tokens):
     """moe_mlp against the plain definition (each token through its k experts, plus Qwen2-MoE's gated
-    shared expert) on every path: one-row tiles (decode), 16- and 64-row tiles (prompt chunks) and
+    shared expert) on every path: one-row tiles (decode), 16-, 64- and 256-row tiles (prompt chunks) and
     all experts on every token (few experts, many pairs)."""
     from jaxserve.config import ModelConfig
     from jaxserve.models import moe

@@ -37,7 +37,7 @@ def route(cfg: ModelConfig, h, router):
 def _tile(pairs: int) -> int:
     """Rows per tile for this many (token, expert) pairs: 1 for decode-sized steps (only the chosen
     experts' weights are gathered), larger for prompt chunks (fewer gathered weight copies)."""
-    return 1 if pairs <= 64 else 16 if pairs <= 1024 else 64
+    return 1 if pairs <= 64 else 16 if pairs <= 1024 else 64 if pairs <= 16384 else 256
 
 
 def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable):
