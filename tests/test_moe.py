@@ -48,7 +48,9 @@ def test_routing_matches_a_per_token_loop(experts, k, tokens):
          "experts_down": r(experts, F, D), "shared_gate": r(D, S), "shared_up": r(D, S), "shared_down": r(S, D),
          "shared_expert_gate": r(D, 1)}
     h = rng.standard_normal((tokens, D)).astype(np.float32)
-    got = np.asarray(jax.jit(lambda x: moe.moe_mlp(cfg, x, w, jax.nn.silu))(h))
+    # full f32 matmuls: a GPU's default TF32 would flip near-tied router choices (measured on the H200)
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(lambda x: moe.moe_mlp(cfg, x, w, jax.nn.silu))(h))
     w = {n: np.asarray(a) for n, a in w.items()}
     silu = lambda a: a / (1 + np.exp(-a))
     want = np.zeros_like(h)
