@@ -75,7 +75,7 @@ def _read_bytes(w) -> int:
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
                  fuse=None, batch=1, fused_rope_kv=None, qmatmul=None, int8_activations=False,
-                 dense_gemv=None):
+                 dense_gemv=None, fused_decode_attention=None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -85,7 +85,8 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         max_logprobs=max_logprobs, seq_buckets=(batch,), prefill_chunk_size=256,
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
                         fused_rope_kv=fused_rope_kv, int8_activations=int8_activations,
-                        scan_layers=False, dense_gemv=dense_gemv is not None)
+                        scan_layers=False, dense_gemv=dense_gemv is not None,
+                        fused_decode_attention=fused_decode_attention)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul,
                          dense_gemv_tuning=dense_gemv)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
@@ -164,6 +165,8 @@ def main(argv=None):
     ap.add_argument("--contexts", default="0,4096,32768")
     ap.add_argument("--fused-rope-kv", choices=["auto", "on", "off"], default="auto",
                     help="the fused RoPE + K/V write kernel (auto: the engine's default, on with one GPU)")
+    ap.add_argument("--fused-decode-attention", choices=["auto", "on", "off"], default="auto",
+                    help="RoPE + K/V write + decode attention in one kernel (auto: the engine's default)")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (tok/s: aggregate)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per dispatch (K)")
     ap.add_argument("--dispatches", type=int, default=8, help="dispatches per timed run")
@@ -283,6 +286,7 @@ def main(argv=None):
     variants = [v + (nw,) for v in variants for nw in norm_warps]
     fused = False
     base_qmatmul = qmatmul
+    onoff = {"auto": None, "on": True, "off": False}
     for quant, spec, fuse, dgemv, f8kw, nw in variants:
         label, fn = parse_impl(spec)
         qmatmul = base_qmatmul
@@ -293,6 +297,7 @@ def main(argv=None):
             qmatmul.takes_split_out = getattr(base_qmatmul or qpt.qmatmul, "takes_split_out", False)
             label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
         label += (" fused" if fuse else "") + (f" rope_kv={args.fused_rope_kv}" if args.fused_rope_kv != "auto" else "")
+        label += f" fused_attn={args.fused_decode_attention}" if args.fused_decode_attention != "auto" else ""
         if dgemv is not None:
             label += " dgemv" + "".join(f",{k}={v}" for k, v in sorted(dgemv.items()))
         if quant != "none":
@@ -322,8 +327,9 @@ def main(argv=None):
         B = args.batch
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
-                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv={"auto": None, "on": True, "off": False}[args.fused_rope_kv],
-                              qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv)
+                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=onoff[args.fused_rope_kv],
+                              qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv,
+                              fused_decode_attention=onoff[args.fused_decode_attention])
         if args.norm_impl != "default":
             from jaxserve.kernels import rms_norm
 

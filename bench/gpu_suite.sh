@@ -9,7 +9,7 @@
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
-#                                               moe
+#                                               moe fused-ab
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -68,7 +68,14 @@ for part in "$@"; do
     per-sm-ab) for q in int4 q8_0; do tp 200 --workloads 1x128x512 --quant $q --int8-activations \
                  --dp4a-per-sm 4,8,4,8 | tail -6; done ;;
     tests-attn) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q tests/test_paged_attention.py \
-                  tests/test_rms_norm.py tests/test_rope_kv.py 2>&1 | tail -2 ;;
+                  tests/test_rms_norm.py tests/test_rope_kv.py tests/test_rope_attention.py \
+                  -k "not generates_the_same" 2>&1 | tail -3 ;;
+    # RoPE + K/V write + decode attention in one kernel (kernels/rope_attention, session 16) against the
+    # two kernels it replaces, interleaved, same weights; greedy-token digests printed per engine
+    fused-ab) tp 300 --workloads 1x4096x256,32x1024x128 --runs 3 --fused-decode-attention on,off,on,off \
+                --tokens-digest | tail -14
+              tp 200 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest \
+                --fused-decode-attention on,off,on,off | tail -10 ;;
     # Where a bf16 step goes at 32 sequences (ctx 1024) and at bs1 32k, and decode-attention tuning
     # there (session 10: data for the 6,000 and 200 tok/s goals)
     attn-probe) D="timeout 110 python3 bench/decode.py $A --attention"

@@ -93,6 +93,9 @@ def main(argv=None):
                     help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
                          "value, one-row matmuls of byte-coded weights (q8_0, q6k, ...) on the byte GEMV "
                          "(pallas_byte_gemv; off by default) or the int8 kernel (off)")
+    ap.add_argument("--fused-decode-attention", default=None,
+                    help="comma list of on/off (on,off,on,off): a fresh engine per value, the engine's "
+                         "fused_decode_attention option (RoPE + K/V write + decode attention in one kernel)")
     ap.add_argument("--tokens-digest", action="store_true",
                     help="print a digest of each engine's greedy tokens on 4 fixed prompts (x 16 tokens), to "
                          "compare runs of other processes (e.g. other XLA_FLAGS) on the same seeded weights")
@@ -170,14 +173,16 @@ def main(argv=None):
         engs = [(p, ss, None) for p, _, _ in engs for ss in args.dp4a_split_sums.split(",")]
     if args.byte_gemv:
         engs = [(p, ss, bgv) for p, ss, _ in engs for bgv in args.byte_gemv.split(",")]
-    engs = [(tp, *e) for tp in tps for e in engs]
+    fdas = args.fused_decode_attention.split(",") if args.fused_decode_attention else [None]
+    engs = [(tp, *e, f) for tp in tps for e in engs for f in fdas]
     eng = tag = None
     cl = max(1, min(64, max_len - 17))  # the check's prompt length: 16 tokens must fit after it
     check_prompts = [[int(x) for x in np.random.default_rng(1234 + j).integers(256, lm.cfg.vocab_size, cl)]
                      for j in range(4)]
     check_tokens, tp_same = {}, {}  # tp -> greedy tokens of check_prompts; prompts equal to the first tp's
-    for (tpv, ps, ss, bgv), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes for w in wls]:
-        if eng is None or tag != (tpv, ps, ss, bgv):
+    for (tpv, ps, ss, bgv, fda), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes
+                                                         for w in wls]:
+        if eng is None or tag != (tpv, ps, ss, bgv, fda):
             from jaxserve.kernels.quant_matmul import pallas_byte_gemv, pallas_dp4a
 
             if ps is not None:
@@ -190,10 +195,11 @@ def main(argv=None):
             if tag is not None and tag[0] != tpv:
                 lm = None  # the previous tp's weights go first
                 lm = build(tpv)
-            tag = (tpv, ps, ss, bgv)
+            tag = (tpv, ps, ss, bgv, fda)
             # The program store's key includes these module settings (program_store.kernel_settings):
             # a variant never loads a program traced under another one.
-            eng = LLMEngine(lm, engine_config=ecfg, attention=attention, warmup=False)
+            e_cfg = ecfg if fda is None else ecfg.replace(fused_decode_attention=fda == "on")
+            eng = LLMEngine(lm, engine_config=e_cfg, attention=attention, warmup=False)
             llm = LLM.from_engine(eng)
             if (len(tps) > 1 and tpv not in check_tokens) or args.tokens_digest:
                 sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -201,7 +207,7 @@ def main(argv=None):
                 if args.tokens_digest:
                     digest = hashlib.sha256(repr(toks).encode()).hexdigest()[:16]
                     print(f"# greedy tokens (4 prompts x 16) digest: {digest} (tp={tpv} per_sm={ps} "
-                          f"split_sums={ss} byte_gemv={bgv})", flush=True)
+                          f"split_sums={ss} byte_gemv={bgv} fused_decode_attention={fda})", flush=True)
                 if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
                     check_tokens[tpv] = toks
                     tp_same[tpv] = sum(a == b for a, b in zip(toks, check_tokens[tps[0]]))
@@ -231,7 +237,8 @@ def main(argv=None):
         dec = statistics.median(x[1] for x in runs)
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
                    + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else "")
-                   + (f" byte_gemv={bgv}" if bgv else "") + (f" tp={tpv}" if len(tps) > 1 else ""),
+                   + (f" byte_gemv={bgv}" if bgv else "") + (f" tp={tpv}" if len(tps) > 1 else "")
+                   + (f" fused_attn={fda}" if fda else ""),
                    tp=tpv, tp_tokens_equal=tp_same.get(tpv),
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,

@@ -159,10 +159,25 @@ class ModelRunner:
         # Fused RoPE + K/V write (EngineConfig.fused_rope_kv; default: with one GPU device).
         self.rope_kv = None
         want = platform != "cpu" if ecfg.fused_rope_kv is None else ecfg.fused_rope_kv
-        if want and mesh is None:
+        # (Triton blocks are powers of two: other head sizes keep XLA's RoPE and scatter)
+        if want and mesh is None and cfg.head_dim == 1 << (cfg.head_dim - 1).bit_length():
             from jaxserve.kernels import rope_kv
 
             self.rope_kv = rope_kv.get(rope_kv.default_for(platform))
+        # ... and, in decode programs, with the decode attention (EngineConfig.fused_decode_attention).
+        self.rope_attend = None
+        pallas_attn = (name or pa.default_for(platform, one_device=mesh is None)) == "pallas_triton"
+        fused_attn = ecfg.fused_decode_attention
+        if fused_attn and (self.rope_kv is None or not pallas_attn):
+            raise ValueError("fused_decode_attention needs the fused RoPE kernel (fused_rope_kv, one "
+                             "device) and the pallas_triton attention")
+        if fused_attn or (fused_attn is None and self.rope_kv is not None and pallas_attn):
+            from jaxserve.kernels import rope_attention
+
+            # a benchmark's decode tuning of the attention (a partial's keywords) applies to it too
+            tune = {k: v for k, v in getattr(attention, "keywords", {}).items()
+                    if k in ("num_splits", "block_k", "num_warps", "num_stages", "split_min_tiles")}
+            self.rope_attend = partial(rope_attention.get("pallas_triton"), **tune)
         if not self.scan_layers and isinstance(weights["layers"], dict):
             self.weights = weights = tf.unstack_layers(weights)
         elif self.scan_layers and isinstance(weights["layers"], list):
@@ -268,7 +283,8 @@ class ModelRunner:
                       block_size=self.ecfg.block_size,
                       logits_sharding=self._replicated if self.mesh is not None else None)
         if key[0] == "decode":
-            f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps, **common)
+            f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps,
+                        rope_attend=self.rope_attend, **common)
         else:
             common["attention"] = (self.attention, self.attention_tiled)
             f = partial(step_mod.mixed_step, self.cfg, **common)
@@ -296,7 +312,7 @@ class ModelRunner:
         from jaxserve.engine import program_store as ps
 
         kernels = ps.stable_name((self.attention, self.attention_tiled, self.add_norm, self.rope_kv,
-                                  self.qmatmul))
+                                  self.qmatmul, self.rope_attend))
         context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels,
                         sorted(self.program_options.items())))
         return ps.ProgramStore(os.path.join(root, "jaxserve-programs"), context)

@@ -119,7 +119,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-                max_steps, block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None):
+                max_steps, block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None,
+                rope_attend=None):
     S = inp["token_ids"].shape[0]
     token_seq = jnp.arange(S, dtype=jnp.int32)
 
@@ -130,7 +131,8 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
         batch["slots"] = _slots(batch, block_size)
         hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                            scan_layers=scan_layers, attention=attention,
-                                           add_norm=add_norm, rope_kv=rope_kv, qmm=qmm)
+                                           add_norm=add_norm, rope_kv=rope_kv, qmm=qmm,
+                                           rope_attend=rope_attend)
         state = dict(state, k=k, v=v)
         # min_tokens: EOS stays banned while fewer than min_tokens outputs exist at this inner step.
         st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > i)

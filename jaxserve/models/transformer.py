@@ -63,7 +63,8 @@ def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, resid=None,
                   add_norm: Callable | None = None, rope_kv: Callable | None = None,
-                  qmm: Callable | None = None, split_sums: bool = False):
+                  qmm: Callable | None = None, split_sums: bool = False,
+                  rope_attend: Callable | None = None):
     """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache).
 
     The block's input is x + resid (resid: the previous block's MLP output, or None) and its output
@@ -72,19 +73,27 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     RoPE + cache-write kernel (kernels/rope_kv) for fused q/k/v without q/k norms. qmm: the quantized
     matmul for packed weights (default: the platform's). split_sums: the q/k/v, o and down matmuls
     may return split-K partials (a SplitSum) to the kernels that consume them (rope_kv, add_norm), one
-    reduction kernel less each; resid may then be one (not in a scan: its carry is a plain array)."""
+    reduction kernel less each; resid may then be one (not in a scan: its carry is a plain array).
+    rope_attend: RoPE + K/V write + decode attention in one kernel (kernels/rope_attention), used
+    with rope_kv in steps of decode tokens only (the decode program: no `decode_slots` region)."""
     add_norm = add_norm or _add_rms_norm_ref
     eps = cfg.rms_norm_eps
     T = x.shape[0]
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x, h = add_norm(x, resid, w["attn_norm"], eps)
-    fused_kv = False
+    fused_kv = attended = False
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
         to_rope_kv = rope_kv is not None and not cfg.qk_norm
         qkv = linear(h, w["qkv"], qmm, split_out=split_sums and to_rope_kv and not cfg.attention_bias)
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
-        if to_rope_kv:
+        if to_rope_kv and rope_attend is not None and kv is not None and "decode_slots" not in batch:
+            o, k_cache, v_cache = rope_attend(
+                qkv, batch["positions"], c["inv_freq"], c["attn_factor"], kv[0], kv[1], c["index"],
+                batch["slots"], batch["block_tables"], batch["token_seq"], num_heads=H, num_kv_heads=KV,
+                head_dim=hd, scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
+            fused_kv = attended = True
+        elif to_rope_kv:
             # One kernel: split, RoPE on q and k, k/v into the cache (kernels/rope_kv).
             q, k_cache, v_cache = rope_kv(qkv, batch["positions"], c["inv_freq"], c["attn_factor"],
                                           kv[0], kv[1], c["index"], batch["slots"], num_heads=H,
@@ -107,7 +116,9 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
             k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
     kw = dict(scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
     D = batch.get("decode_slots")
-    if kv is None:
+    if attended:
+        pass
+    elif kv is None:
         # No KV cache: one pass over whole inputs (pooling models, models/decoder_pooling.py), the
         # attention takes this step's own k and v.
         o = attention(q, k, v, batch["positions"], **kw)
@@ -217,7 +228,8 @@ def embed(cfg: ModelConfig, weights, token_ids, dtype):
 
 def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers: bool,
                    attention: Callable = attn_ref.paged_attention, add_norm: Callable | None = None,
-                   rope_kv: Callable | None = None, qmm: Callable | None = None):
+                   rope_kv: Callable | None = None, qmm: Callable | None = None,
+                   rope_attend: Callable | None = None):
     """Run all layers. Returns (final-normed hidden [T, D], (k_cache, v_cache)).
 
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
@@ -237,7 +249,8 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
             x, resid, kv = carry
             w, c = xs
             w = dict(w, **{k: cpu_native.LayerOf(v, c["index"]) for k, v in native.items()})
-            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv, qmm)
+            x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv, qmm,
+                                         rope_attend=rope_attend)
             return (x, resid, kv), None
 
         # The first block's residual is zero (x + 0 == x exactly): one carry structure for the scan.
@@ -253,7 +266,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         @jax.jit
         def block(x, resid, w, c, kv, arrays):
             return decoder_layer(cfg, x, w, c, kv, {**arrays, **static}, attention, resid, add_norm, rope_kv,
-                                 qmm, split_sums=True)
+                                 qmm, split_sums=True, rope_attend=rope_attend)
 
         # The layer constants are compile-time literals here (numpy from the static config), not
         # slices of the traced `consts`: on the GPU each slice was a kernel (4 per layer, ~1 us each)

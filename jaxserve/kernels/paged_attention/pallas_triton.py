@@ -188,6 +188,15 @@ def _merge_kernel(window_ref, pos_ref, o_ref, m_ref, l_ref, out_ref, *, G, N, P,
     out_ref[...] = out.astype(out_ref.dtype)
 
 
+def decode_splits(num_splits, *, T, KV, max_keys, N) -> int:
+    """Splits per (token, KV head): given, or enough programs for ~2 per SM, at most 64 and at most
+    the key tiles of the longest context."""
+    if num_splits is None:
+        want = _pow2(-(-2 * NUM_SMS // max(1, T * KV)))
+        num_splits = max(1, min(want, 64, -(-max_keys // N)))
+    return int(num_splits)
+
+
 def _split_plan(pos, window, *, N, P, min_tiles):
     """Key range [lo, hi) of a token, its key tiles [j0, j1), and how many of the P splits it uses:
     at least `min_tiles` tiles per split, so a short context is not cut into tiny pieces."""
@@ -208,11 +217,7 @@ def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
     Gp = max(16, _pow2(G))
     Dp = max(16, _pow2(D))
     N = block_k or max(16, min(64, 8192 // Dp))
-    max_tiles = -(-(MB * BS) // N)
-    if num_splits is None:
-        want = _pow2(-(-2 * NUM_SMS // max(1, T * KV)))
-        num_splits = max(1, min(want, 64, max_tiles))
-    P = int(num_splits)
+    P = decode_splits(num_splits, T=T, KV=KV, max_keys=MB * BS, N=N)
 
     kernel = functools.partial(_decode_kernel, scale=float(scale), softcap=softcap, G=G, Gp=Gp, D=D,
                                Dp=Dp, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles)
@@ -233,19 +238,27 @@ def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
         name=f"paged_decode_G{Gp}_N{N}_P{P}",
     )(layer, window, block_tables, token_seq, positions, q, k_cache, v_cache)
 
+    out = merge_splits(o, m, l, window, positions, num_heads=H, N=N, min_tiles=min_tiles,
+                       dtype=q.dtype, interpret=interpret)
+    return out if Dp == D else out[..., :D]  # a slice only for head sizes not a power of two
+
+
+def merge_splits(o, m, l, window, positions, *, num_heads, N, min_tiles, dtype, interpret):
+    """The decode partials (o [T, KV, P, Gp, Dp], m and l [T, KV, P, Gp] f32) merged into the
+    attention output [T, H, Dp] in `dtype` (`_merge_kernel`; also the fused RoPE + attention's)."""
+    T, KV, P, _, Dp = o.shape
     Pp = _pow2(P)
-    merge = functools.partial(_merge_kernel, G=G, N=N, P=P, Pp=Pp, min_tiles=min_tiles)
-    out = pl.pallas_call(
+    merge = functools.partial(_merge_kernel, G=num_heads // KV, N=N, P=P, Pp=Pp, min_tiles=min_tiles)
+    return pl.pallas_call(
         merge,
-        grid=(T, H),
-        in_specs=[full] * 5,
+        grid=(T, num_heads),
+        in_specs=[pl.BlockSpec()] * 5,
         out_specs=pl.BlockSpec((None, None, Dp), lambda t, h: (t, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((T, H, Dp), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((T, num_heads, Dp), dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(4 if Pp * Dp <= 8192 else 8, 1),
         name=f"paged_decode_merge_P{P}",
     )(window, positions, o, m, l)
-    return out if Dp == D else out[..., :D]  # a slice only for head sizes not a power of two
 
 
 # --------------------------------------------------------------------------------------------- prefill
