@@ -12,6 +12,12 @@ a multiple of the tile), and every projection is one batched matmul of the tiles
 experts' gathered weights. A decode step (few pairs) uses tiles of one row: exactly the chosen
 experts' weights are read. A model with few, wide experts (Mixtral: 8) and many pairs runs every
 expert on every token instead (E/k times the MLP work, no gathered copies of wide weights).
+
+On a GPU, tiles of up to KERNEL_MAX_TILE rows (decode steps and short prompt chunks) run through
+kernels/moe_gemv instead: Pallas kernels that read each tile's expert weights in place (no gathered
+copy). A decode step's one-row tiles need no sort either: one row per (token, choice) in the router's
+order, and each token's k rows weighted and added. `moe_mlp(..., impl=)` picks the path by hand (the
+tests run the kernel in the interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.kernels import moe_gemv
+
+KERNEL_MAX_TILE = 16  # longer prompt chunks keep XLA's batched matmuls (tensor-core bound there)
 
 
 def route(cfg: ModelConfig, h, router):
@@ -40,9 +49,22 @@ def _tile(pairs: int) -> int:
     return 1 if pairs <= 64 else 16 if pairs <= 1024 else 64 if pairs <= 16384 else 256
 
 
-def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable):
+def experts_impl(impl: str | None, tile: int) -> str:
+    """The expert path of tiles of `tile` rows: 'xla' (gathered weights, batched matmuls) or a
+    kernels/moe_gemv implementation. None: the Pallas kernel on a GPU for tiles of up to
+    KERNEL_MAX_TILE rows, else XLA (decided when the step is traced)."""
+    if impl is None:
+        on_gpu = moe_gemv.default_for(jax.default_backend()) == "pallas_triton"
+        return "pallas_triton" if on_gpu and tile <= KERNEL_MAX_TILE else "xla"
+    if impl != "xla" and impl not in moe_gemv.IMPLEMENTATIONS:
+        raise ValueError(f"unknown MoE expert path {impl!r}; known: xla, {', '.join(moe_gemv.IMPLEMENTATIONS)}")
+    return impl
+
+
+def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None):
     """The MoE block's output [T, D] for the normed hidden states h [T, D]; w: one layer's weights
-    (router [D, E], experts_gate / experts_up [E, D, F], experts_down [E, F, D], shared_* for Qwen2-MoE)."""
+    (router [D, E], experts_gate / experts_up [E, D, F], experts_down [E, F, D], shared_* for Qwen2-MoE).
+    act: the activation (the kernel path applies cfg.hidden_act itself); impl: see experts_impl."""
     T, D = h.shape
     E, K = cfg.num_experts, cfg.experts_per_token
     ids, weights = route(cfg, h, w["router"])
@@ -51,7 +73,8 @@ def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable):
     if E <= 16 and P > 4 * E:
         out = _all_experts(h, ids, weights, w, act, E)
     else:
-        out = _tiled_experts(h, ids, weights, w, act, E, _tile(P))
+        tile = _tile(P)
+        out = tiled_experts(h, ids, weights, w, act, E, tile, experts_impl(impl, tile), cfg.hidden_act)
     if cfg.shared_expert_size:
         s = jnp.dot(act(jnp.dot(h, w["shared_gate"].astype(dt))) * jnp.dot(h, w["shared_up"].astype(dt)),
                     w["shared_down"].astype(dt))
@@ -70,11 +93,36 @@ def _all_experts(h, ids, weights, w, act, E):
     return jnp.einsum("ted,te->td", y, coef)
 
 
-def _tiled_experts(h, ids, weights, w, act, E, tile):
-    """The pairs sorted by expert into tiles of one expert each; one batched matmul per projection."""
-    T, D = h.shape
+def tiled_experts(h, ids, weights, w, act, E, tile, impl="xla", act_name="silu", **tuning):
+    """[T, D] f32: the chosen experts' outputs weighted and added, by `impl` (experts_impl; the kernel
+    path falls back to XLA for shapes it does not take). tuning: the kernel's keyword arguments."""
+    if impl != "xla":
+        kernel = moe_gemv.get(impl)
+        names = ("experts_gate", "experts_up", "experts_down")
+        if all(kernel.supports(h.dtype, w[n], tile) for n in names):
+            return _kernel_experts(kernel, h, ids, weights, w, act_name, E, tile, tuning)
+    return _tiled_experts(h, ids, weights, w, act, E, tile)
+
+
+def _kernel_experts(kernel, h, ids, weights, w, act_name, E, tile, tuning):
+    wg, wu, wd = w["experts_gate"], w["experts_up"], w["experts_down"]
+    if tile == 1:  # decode: one row per (token, choice), nothing sorted
+        row_token, tile_expert = moe_gemv.pair_layout(ids)
+        a = kernel.gate_up(h, row_token, tile_expert, wg, wu, act=act_name, **tuning)
+        return moe_gemv.combine_pairs(kernel.down(a, tile_expert, wd, **tuning), weights)
+    order, token, dest, tile_expert, live = _sorted_tiles(ids, E, tile)
+    row_token = jnp.zeros((tile_expert.shape[0] * tile,), jnp.int32).at[dest].set(token)
+    a = kernel.gate_up(h, row_token, tile_expert, wg, wu, act=act_name, live_tiles=live, **tuning)
+    y = kernel.down(a, tile_expert, wd, live_tiles=live, **tuning)
+    return jnp.zeros(h.shape, jnp.float32).at[token].add(y[dest] * weights.reshape(-1)[order][:, None])
+
+
+def _sorted_tiles(ids, E, tile):
+    """The pairs sorted by expert into tiles of `tile` rows of one expert each: (order: pair of each
+    sorted position, token: its token, dest: its row, tile_expert [n_tiles], live: the number of used
+    tiles [1]; the tile count is the worst case, the tiles past `live` hold no pair)."""
     K = ids.shape[1]
-    P = T * K
+    P = ids.size
     n_tiles = -(-P // tile) + (min(E, P) if tile > 1 else 0)  # each used expert pads < one tile
     flat = ids.reshape(-1)  # pair p is token p // K's (p % K)-th choice
     order = jnp.argsort(flat, stable=True)
@@ -83,10 +131,18 @@ def _tiled_experts(h, ids, weights, w, act, E, tile):
     padded = -(-sizes // tile) * tile
     pad_end = jnp.cumsum(padded)
     dest = (pad_end - padded)[expert] + jnp.arange(P) - (jnp.cumsum(sizes) - sizes)[expert]
-    token = order // K
-    rows = jnp.zeros((n_tiles * tile, D), h.dtype).at[dest].set(h[token])
-    # tile i's expert: the one whose padded range holds row i * tile (unused tiles: zero rows)
+    # tile i's expert: the one whose padded range holds row i * tile (unused tiles: the last expert)
     tile_expert = jnp.minimum(jnp.searchsorted(pad_end, jnp.arange(n_tiles) * tile, side="right"), E - 1)
+    return order, order // K, dest, tile_expert.astype(jnp.int32), (pad_end[-1:] // tile).astype(jnp.int32)
+
+
+def _tiled_experts(h, ids, weights, w, act, E, tile):
+    """The pairs sorted by expert into tiles of one expert each; one batched matmul per projection over
+    the tiles' gathered expert weights."""
+    T, D = h.shape
+    order, token, dest, tile_expert, _ = _sorted_tiles(ids, E, tile)
+    n_tiles = tile_expert.shape[0]
+    rows = jnp.zeros((n_tiles * tile, D), h.dtype).at[dest].set(h[token])  # unused tiles: zero rows
     x = rows.reshape(n_tiles, tile, D)
     dt = h.dtype
 
