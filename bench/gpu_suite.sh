@@ -9,7 +9,7 @@
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
-#                                               moe moe-kernels fused-ab
+#                                               moe moe-kernels fused-ab kv-fp8
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -77,6 +77,8 @@ for part in "$@"; do
                   -k "not generates_the_same" 2>&1 | tail -3 ;;
     # RoPE + K/V write + decode attention in one kernel (kernels/rope_attention, session 16) against the
     # two kernels it replaces, interleaved, same weights; greedy-token digests printed per engine
+    # An fp8 (e4m3) K/V cache for the bf16 model (session 16): half the K/V bytes read per step
+    kv-fp8) tp 300 --workloads 1x4096x256,1x32768x256,32x1024x128 --runs 3 --kv-dtype fp8 | tail -5 ;;
     fused-ab) tp 300 --workloads 1x4096x256,32x1024x128 --runs 3 --fused-decode-attention on,off,on,off \
                 --tokens-digest | tail -14
               tp 200 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest \

@@ -75,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--attention", default=None, help="paged attention implementation (default: platform's); "
                     "keyword options as in decode.py: pallas_triton:num_splits=16")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-dtype", default=None, help="the K/V cache dtype (EngineConfig.kv_dtype: fp8, ...)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quant", default="none",
                     help="none (dense --dtype weights) or a packed format of random weights (q4k: LM head q6k)")
@@ -152,7 +153,7 @@ def main(argv=None):
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_n, prefill_chunk_size=args.chunk,
                         token_buckets=(args.chunk,), seq_buckets=seq_buckets, dtype=args.dtype,
                         decode_steps=max(ks), enable_prefix_cache=False, num_blocks=1,
-                        int8_activations=args.int8_activations)
+                        int8_activations=args.int8_activations, kv_dtype=args.kv_dtype)
     need_blocks = max_n * -(-max_len // ecfg.block_size) + 2
     ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
     print(f"# KV cache: {need_blocks} blocks, {need_blocks * kv_bytes_per_block(lm.cfg, ecfg) / 2**30:.1f} GiB",
@@ -243,7 +244,7 @@ def main(argv=None):
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
-                   jax=jax.__version__, device=dev.device_kind)
+                   kv_dtype=args.kv_dtype, jax=jax.__version__, device=dev.device_kind)
         rows.append(row)
         print(f"{row['workload']}: prefill {row['prefill_tok_s']:.0f} tok/s ({pre * 1e3:.1f} ms)"
               + (f"; decode {row['decode_tok_s']:.0f} tok/s aggregate ({dec / (o - 1) * 1e3:.1f} ms/step)"

@@ -190,6 +190,9 @@ class ModelConfig:
 # In-situ quantization formats (= jaxserve.quant.isq.ISQ_FORMATS, kept here JAX-free for validation):
 # the GGUF block layouts, and GPTQ-style int4/int8 with per-group zero points (group 128).
 ISQ_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2k", "q3k", "q4k", "q5k", "q6k", "int4", "int8")
+# K/V cache dtypes by the names users give (vLLM's) -> the jnp dtype name kept in EngineConfig.kv_dtype
+KV_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+             "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -219,7 +222,10 @@ class EngineConfig:
     # come from the device); the host's per-step work then overlaps the device's (engine/llm_engine.py).
     async_scheduling: bool = True
     dtype: str = "float32"  # compute/weight dtype; f32 on CPU (bf16 dots are slow in XLA:CPU)
-    kv_dtype: str | None = None  # default: dtype
+    # K/V cache dtype (vLLM's --kv-cache-dtype): None = dtype; "fp8" (= float8_e4m3fn) halves the cache
+    # of a bf16 model: K/V are rounded to e4m3 (clipped to +-448, no scales) when written, widened to the
+    # compute dtype when read
+    kv_dtype: str | None = None
     scan_layers: bool | None = None  # None: scan on CPU (fast compiles), unroll on GPU (fast steps)
     token_buckets: tuple[int, ...] = ()
     seq_buckets: tuple[int, ...] = ()
@@ -279,6 +285,10 @@ class EngineConfig:
             raise ConfigError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        kv = KV_DTYPES.get(self.kv_dtype, False) if self.kv_dtype is not None else None
+        if kv is False:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        object.__setattr__(self, "kv_dtype", kv)
         if not self.seq_buckets:
             object.__setattr__(self, "seq_buckets", _pow2_buckets(1, self.max_num_seqs))
         if not self.token_buckets:

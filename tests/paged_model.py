@@ -12,11 +12,11 @@ BS = 4  # small blocks so sequences span many of them
 class PagedModel:
     """Drives the pure model functions with a paged cache, the way the runner does (no sampling)."""
 
-    def __init__(self, cfg, weights, num_blocks=64, max_blocks=32, qmm=None, **kernels):
+    def __init__(self, cfg, weights, num_blocks=64, max_blocks=32, qmm=None, kv_dtype=jnp.float32, **kernels):
         self.cfg, self.weights = cfg, weights
         self.consts = {k: jnp.asarray(v) for k, v in tf.layer_constants(cfg).items()}
         shape = (cfg.num_layers, num_blocks, BS, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+        self.kv = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
         self.free = list(range(1, num_blocks))
         self.tables: dict[int, list[int]] = {}
         self.max_blocks = max_blocks

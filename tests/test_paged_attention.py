@@ -202,3 +202,27 @@ def test_cpu_native_is_the_custom_call_not_the_fallback():
     args = (c["q"], c["k_cache"], c["v_cache"], c["tables"], c["token_seq"], c["positions"])
     assert target in f.lower(*args).as_text()
     np.testing.assert_allclose(np.asarray(f(*args)), np.asarray(_oracle(c, 0.5, 0, None)), atol=TOL)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_fp8_cache(impl):
+    """An fp8 (e4m3) cache is read widened: every implementation computes the oracle's function of the
+    same fp8 values (the oracle reads them as f32)."""
+    rng = np.random.default_rng(5)
+    c = _case(rng, lens=[13, 21, 1, 40], new=[13, 6, 1, 1])
+    c["k_cache"] = ref.to_cache(3 * c["k_cache"], jnp.float8_e4m3fn)
+    c["v_cache"] = ref.to_cache(c["v_cache"], jnp.float8_e4m3fn)
+    got = IMPLS[impl](c["q"], c["k_cache"], c["v_cache"], c["layer"], c["tables"], c["token_seq"],
+                      c["positions"], scale=0.3, window=0, softcap=None)
+    want = _oracle(dict(c, k_cache=c["k_cache"].astype(jnp.float32),
+                        v_cache=c["v_cache"].astype(jnp.float32)), 0.3, 0, None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
+
+
+def test_fp8_writes_saturate():
+    """Values past e4m3's range are written as +-448 (a plain cast gives NaN), others rounded."""
+    kc = vc = jnp.zeros((1, 2, 4, 1, 4), jnp.float8_e4m3fn)
+    k = jnp.asarray([[[1000.0, -1e6, 0.3, 447.0]]])
+    kc, vc = ref.write_kv(kc, vc, 0, k, -k, jnp.asarray([5]))
+    np.testing.assert_array_equal(np.asarray(kc[0, 1, 1, 0], np.float32), [448, -448, 0.3125, 448])
+    np.testing.assert_array_equal(np.asarray(vc[0, 1, 1, 0], np.float32), [-448, 448, -0.3125, -448])

@@ -16,15 +16,16 @@ from jaxserve.kernels.split_sum import SplitSum
 ON_CPU = jax.devices()[0].platform == "cpu"
 
 
-def _case(rng, lens, *, H, KV, D, dtype, BS=4, L=2, parts=0):
+def _case(rng, lens, *, H, KV, D, dtype, BS=4, L=2, parts=0, cache_dtype=None):
     """One decode token per sequence at position lens[i] - 1; caches hold random earlier keys (and
     random stale values in the token's own slot, which the step overwrites)."""
     S = len(lens)
     MB = max(-(-n // BS) for n in lens) + 1
     NB = S * MB + 2
     dt = jnp.dtype(dtype)
-    k_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, D)), dt)
-    v_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, D)), dt)
+    cdt = jnp.dtype(cache_dtype or dtype)
+    k_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, D)), jnp.float32).astype(cdt)
+    v_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, D)), jnp.float32).astype(cdt)
     free = list(rng.permutation(np.arange(1, NB)))
     tables = np.zeros((S, MB), np.int32)
     for i, n in enumerate(lens):
@@ -71,6 +72,14 @@ def test_bf16_and_split_sums(impl, parts):
     """bf16 caches, q/k/v given whole or as a SplitSum of f32 partials (the int8 matmul's output)."""
     rng = np.random.default_rng(parts)
     args = _case(rng, [3, 33, 64, 70], H=8, KV=2, D=32, dtype="bfloat16", parts=parts)
+    _check(impl, args, tol=3e-2, num_heads=8, num_kv_heads=2, head_dim=32, scale=32 ** -0.5)
+
+
+@pytest.mark.parametrize("impl", rope_attention.IMPLEMENTATIONS)
+def test_fp8_cache(impl):
+    """An fp8 cache: the step's own k/v are attended to as the cache will hold them (rounded to e4m3)."""
+    rng = np.random.default_rng(11)
+    args = _case(rng, [2, 18, 50], H=8, KV=2, D=32, dtype="bfloat16", cache_dtype="float8_e4m3fn")
     _check(impl, args, tol=3e-2, num_heads=8, num_kv_heads=2, head_dim=32, scale=32 ** -0.5)
 
 
@@ -129,3 +138,34 @@ def test_engine_option_errors():
                         max_num_seqs=2, fused_rope_kv=True)
     with pytest.raises(ValueError, match="fused_decode_attention needs"):
         ModelRunner(cfg, ecfg, w, 8, attention="reference")
+
+
+def test_fp8_kv_cache_engine(tmp_path):
+    """--kv-cache-dtype fp8 through the CLI's config and the whole engine (reference kernels on CPU):
+    the cache is e4m3 (half the bytes per block of a bf16 one) and greedy decoding follows the f32
+    cache's tokens on a tiny model."""
+    from hf_tiny import make_tiny_model
+    from tiny_tokenizer import add_byte_tokenizer
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.cli import build_parser, engine_config_from_args
+    from jaxserve.config import ConfigError, EngineConfig
+
+    args = build_parser().parse_args(["run", "--kv-cache-dtype", "fp8"])
+    assert engine_config_from_args(args).kv_dtype == "float8_e4m3fn"
+    assert EngineConfig(kv_dtype="auto").kv_dtype is None
+    with pytest.raises(ConfigError, match="kv_dtype must be one of"):
+        EngineConfig(kv_dtype="int4")
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    res = []
+    for kv in (None, "fp8"):
+        llm = LLM(str(d), max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4,
+                  num_blocks=24, kv_dtype=kv)
+        assert llm.engine.runner.state["k"].dtype == (jnp.float8_e4m3fn if kv else jnp.float32)
+        res.append(llm.generate([[5 + i for i in range(13)], [200, 100, 50]], p, use_tqdm=False))
+    for a, b in zip(*res):  # (a random tiny model has near-ties: later tokens may part)
+        assert a.outputs[0].token_ids[:4] == b.outputs[0].token_ids[:4]
+        lp_a = [lp for lp, _ in a.outputs[0].logprobs[:4]]
+        lp_b = [lp for lp, _ in b.outputs[0].logprobs[:4]]
+        np.testing.assert_allclose(lp_b, lp_a, atol=0.3)  # ~2 significant digits per K/V value

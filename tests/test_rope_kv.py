@@ -38,6 +38,28 @@ def test_rope_write_kv_matches_oracle(impl, H, KV, hd, dtype):
 
 
 @pytest.mark.parametrize("impl", rope_kv.IMPLEMENTATIONS)
+def test_rope_write_kv_fp8_cache(impl):
+    """bf16 q/k/v into an fp8 cache: k rounded to bf16 (as the reference's RoPE output), then to e4m3."""
+    rng = np.random.default_rng(3)
+    H, KV, hd, T, L, NB, BS = 4, 2, 16, 3, 2, 5, 4
+    qkv = jnp.asarray(8 * rng.standard_normal((T, (H + 2 * KV) * hd)), jnp.bfloat16)
+    positions = jnp.asarray([0, 9, 300], jnp.int32)
+    slots = jnp.asarray([3, 17, 8], jnp.int32)
+    inv_freq = jnp.asarray(1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd)), jnp.float32)
+    k_cache = jnp.zeros((L, NB, BS, KV, hd), jnp.float8_e4m3fn)
+    v_cache = jnp.zeros((L, NB, BS, KV, hd), jnp.float8_e4m3fn)
+    kw = dict(num_heads=H, num_kv_heads=KV, head_dim=hd)
+    want = reference.rope_write_kv(qkv, positions, inv_freq, 1.0, k_cache, v_cache, 1, slots, **kw)
+    got = jax.jit(lambda *a: rope_kv.get(impl)(*a, **kw))(qkv, positions, inv_freq, jnp.float32(1.0),
+                                                          k_cache, v_cache, jnp.int32(1), slots)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        # one e4m3 step (1/8 relative) where the kernel's f32 RoPE rounds across a boundary
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0.13, atol=2e-2)
+    assert np.mean(np.asarray(got[1], np.float32) == np.asarray(want[1], np.float32)) > 0.97
+
+
+@pytest.mark.parametrize("impl", rope_kv.IMPLEMENTATIONS)
 @pytest.mark.parametrize("P", [2, 3])
 def test_rope_write_kv_takes_split_sums(impl, P):
     """qkv given as a SplitSum (f32 partials of a split-K matmul): the kernel adds the parts itself;

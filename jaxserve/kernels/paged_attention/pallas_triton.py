@@ -87,8 +87,9 @@ def _head_dim_index(D: int, Dp: int):
     return jnp.minimum(d, D - 1), d < D
 
 
-def _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, *, N, BS, MB, dsl):
-    """K and V [N, Dp] of key tile j (absolute positions j*N .. j*N+N-1) of sequence `seq`."""
+def _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, *, N, BS, MB, dsl, dtype):
+    """K and V [N, Dp] of key tile j (absolute positions j*N .. j*N+N-1) of sequence `seq`, in `dtype`
+    (q's: an fp8 cache is widened as it is read)."""
     kp = j * N + jnp.arange(N)
     col = jnp.minimum(kp // BS, MB - 1)
     bid = tables_ref[seq, col]
@@ -99,7 +100,7 @@ def _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, *, N, BS, MB, dsl):
     else:
         k = k_ref[layer, bid[:, None], off[:, None], h, dsl[None, :]]
         v = v_ref[layer, bid[:, None], off[:, None], h, dsl[None, :]]
-    return kp, k, v
+    return kp, k.astype(dtype), v.astype(dtype)
 
 
 def _scores(q, k, scale, softcap):
@@ -141,7 +142,8 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
     b = jnp.minimum(a + per, j1)
 
     def body(j, carry):
-        kp, k, v = _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB, dsl=dsl)
+        kp, k, v = _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB, dsl=dsl,
+                                 dtype=q_ref.dtype)
         s = _scores(q, k, scale, softcap)
         ok = (kp >= lo) & (kp < hi)
         s = jnp.where(ok[None, :], s, -jnp.inf)
@@ -292,7 +294,8 @@ def _prefill_kernel(layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_r
     j1 = (hi + N - 1) // N
 
     def body(j, carry):
-        kp, k, v = _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB, dsl=dsl)
+        kp, k, v = _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB, dsl=dsl,
+                                 dtype=q_ref.dtype)
         s = _scores(q, k, scale, softcap)
         ok = kp[None, :] <= qpos[:, None]
         ok &= (window <= 0) | (kp[None, :] > qpos[:, None] - window)

@@ -16,12 +16,23 @@ import jax
 import jax.numpy as jnp
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def to_cache(x, dtype):
+    """x rounded to the cache's dtype. An fp8 (e4m3) cache saturates at +-448: a plain cast past it
+    gives NaN (e4m3fn has no infinity). Every writer of the cache (kernels included) rounds so."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    return x.astype(dtype)
+
+
 def write_kv(k_cache, v_cache, layer, k, v, slots):
     """Scatter new k/v [T, KV, hd] into flat slots [T] (slot = block * block_size + offset) of `layer`."""
     L, NB, BS = k_cache.shape[:3]
     blk, off = slots // BS, slots % BS
-    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[layer, blk, off].set(to_cache(k, k_cache.dtype))
+    v_cache = v_cache.at[layer, blk, off].set(to_cache(v, v_cache.dtype))
     return k_cache, v_cache
 
 

@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.paged_attention import pallas_triton as pa
+from jaxserve.kernels.paged_attention.reference import to_cache
 from jaxserve.kernels.rope_kv import reference as rope_kv_ref
 from jaxserve.kernels.split_sum import SplitSum
 
@@ -76,12 +77,12 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_r
     dtype = parts_dtype or qkv_ref.dtype
     # rounded to the projection's dtype as rope_kv's q output would be; padded rows load nothing
     q = rope((hq * D)[:, None], rows).astype(dtype)
-    k_new = rope((H + h) * D).astype(k_ref.dtype)
-    v_new = load((H + KV + h) * D + d).astype(v_ref.dtype)
+    k_new = to_cache(rope((H + h) * D).astype(dtype), k_ref.dtype)  # as the cache holds it
+    v_new = to_cache(load((H + KV + h) * D + d), v_ref.dtype)
 
     def body(j, carry):
         kp, k, v = pa._load_tile(k_in, v_in, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB,
-                                 dsl=pl.ds(0, D))
+                                 dsl=pl.ds(0, D), dtype=dtype)
         s = pa._scores(q, k, scale, softcap)
         ok = (kp >= lo) & (kp < pos)  # the token's own key comes from registers, below
         s = jnp.where(ok[None, :], s, -jnp.inf)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _on_cpu
+from jaxserve.kernels.paged_attention.reference import to_cache
 from jaxserve.kernels.split_sum import SplitSum
 
 
@@ -55,10 +56,10 @@ def _kernel(layer_ref, pos_ref, slot_ref, inv_ref, fac_ref, qkv_ref, k_in, v_in,
         layer = layer_ref[0]
         slot = slot_ref[t]
         blk, off = slot // BS, slot % BS
-        k_ref[layer, blk, off, h, pl.ds(0, half)] = a.astype(k_ref.dtype)
-        k_ref[layer, blk, off, h, pl.ds(half, half)] = b.astype(k_ref.dtype)
+        k_ref[layer, blk, off, h, pl.ds(0, half)] = to_cache(a.astype(q_ref.dtype), k_ref.dtype)
+        k_ref[layer, blk, off, h, pl.ds(half, half)] = to_cache(b.astype(q_ref.dtype), k_ref.dtype)
         v = load((H + KV + h) * hd, hd)
-        v_ref[layer, blk, off, h, pl.ds(0, hd)] = v.astype(v_ref.dtype)
+        v_ref[layer, blk, off, h, pl.ds(0, hd)] = to_cache(v, v_ref.dtype)
 
 
 def rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots, *,
