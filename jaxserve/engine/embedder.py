@@ -98,10 +98,15 @@ def class_probs(logits: np.ndarray, problem_type: str | None = None) -> np.ndarr
     return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+def pair_cosines(vecs: np.ndarray, first, second) -> np.ndarray:
+    """Cosine similarity of rows first[i] and second[i] of vecs, f32 [len(first)]."""
+    unit = vecs / np.maximum(np.linalg.norm(vecs, axis=1), 1e-12)[:, None]
+    return np.einsum("nd,nd->n", unit[np.asarray(first, int)], unit[np.asarray(second, int)]).astype(np.float32)
+
+
 def cosine_to_first(vecs: np.ndarray) -> np.ndarray:
     """Cosine similarity of rows 1.. to row 0 (a query's embedding first, then its documents'), f32 [n - 1]."""
-    unit = vecs / np.maximum(np.linalg.norm(vecs, axis=1), 1e-12)[:, None]
-    return (unit[1:] @ unit[0]).astype(np.float32)
+    return pair_cosines(vecs, [0] * (len(vecs) - 1), range(1, len(vecs)))
 
 
 class EmbeddingInputError(ValueError):

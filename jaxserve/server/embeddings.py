@@ -232,7 +232,7 @@ async def _pair_scores(state, t1: list[str], t2: list[str], param: str,
     classifier's sigmoid over the pair, or for an embedding model the cosine similarity of the two
     texts' embeddings (as vLLM scores with them; each distinct text embedded once). Tokenized off the
     event loop."""
-    from jaxserve.engine.embedder import EmbeddingInputError, relevance
+    from jaxserve.engine.embedder import EmbeddingInputError, pair_cosines, relevance
 
     eng = state.engine
     if eng.is_classifier and eng.cfg.num_labels != 1:
@@ -258,10 +258,8 @@ async def _pair_scores(state, t1: list[str], t2: list[str], param: str,
     except EmbeddingInputError as e:
         raise bad_request(str(e), param) from None
     vecs = await _run(state, ids)
-    unit = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
     row = {t: i for i, t in enumerate(texts)}
-    scores = np.array([unit[row[a]] @ unit[row[b]] for a, b in zip(t1, t2)], np.float32)
-    return scores, sum(len(x) for x in ids)
+    return pair_cosines(vecs, [row[a] for a in t1], [row[b] for b in t2]), sum(len(x) for x in ids)
 
 
 async def rerank(request: web.Request, state, body) -> web.Response:
