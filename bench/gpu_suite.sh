@@ -53,7 +53,10 @@ for part in "$@"; do
     # call at the Qwen3-30B-A3B shape against XLA's gathered-weights path (bs1 and 32 tokens)
     moe-kernels) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider \
                    tests/test_moe_gemv.py 2>&1 | tail -15
-                 timeout 300 python3 bench/moe_gpu.py 2>&1 | tail -40 ;;
+                 timeout 300 python3 bench/moe_gpu.py 2>&1 | tail -40
+                 timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
+                   --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile 16 --json "$OUT/throughput.jsonl" \
+                   2>&1 | grep -v "^  run" | tail -4 ;;
     # What XLA's GEMM autotuning costs at start-up and buys at run time (measured: RESULTS.md session 9)
     startup-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 200 python3 bench/startup.py \
                --model random:llama-3.1-8b --cache-dir "/tmp/jaxserve-suite-cache-noat-$$" --runs cold \

@@ -97,6 +97,9 @@ def main(argv=None):
     ap.add_argument("--fused-decode-attention", default=None,
                     help="comma list of on/off (on,off,on,off): a fresh engine per value, the engine's "
                          "fused_decode_attention option (RoPE + K/V write + decode attention in one kernel)")
+    ap.add_argument("--moe-kernel-max-tile", type=int, default=None,
+                    help="MoE models: tiles of up to this many rows through the in-place expert kernels "
+                         "(models/moe.KERNEL_MAX_TILE, read when programs trace; 0 = XLA's path)")
     ap.add_argument("--tokens-digest", action="store_true",
                     help="print a digest of each engine's greedy tokens on 4 fixed prompts (x 16 tokens), to "
                          "compare runs of other processes (e.g. other XLA_FLAGS) on the same seeded weights")
@@ -116,6 +119,10 @@ def main(argv=None):
     from jaxserve.engine.runner import kv_bytes_per_block
     from jaxserve.engine.sampling_params import SamplingParams
 
+    if args.moe_kernel_max_tile is not None:
+        from jaxserve.models import moe
+
+        moe.KERNEL_MAX_TILE = args.moe_kernel_max_tile  # a module setting: part of the program store's key
     wls = parse_workloads(args.workloads)
     ks = [int(k) for k in str(args.decode_steps).split(",")]
     dev = jax.devices()[0]

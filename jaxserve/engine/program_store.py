@@ -90,7 +90,7 @@ _PLAIN = (int, float, str, bool, tuple, list, dict, type(None))
 
 
 def kernel_settings() -> str:
-    """The kernel modules' settings: UPPERCASE module values of plain types and functions'
+    """The kernel modules' (and models/moe's) settings: UPPERCASE module values of plain types and functions'
     `takes_*` flags. Benchmarks change some at run time (pallas_dp4a.PER_SM, pallas_fp8.GEMV, ...)
     and read them while tracing; a program traced under other settings must be a miss. Every kernel
     module is imported first (~0.1 s), so the answer does not depend on which ones a process has
@@ -103,6 +103,7 @@ def kernel_settings() -> str:
     import jaxserve.kernels as kernels
 
     names = [m.name for m in pkgutil.walk_packages(kernels.__path__, "jaxserve.kernels.")]
+    names.append("jaxserve.models.moe")  # KERNEL_MAX_TILE: which expert path a MoE step traces
     for name in names:
         importlib.import_module(name)
     out = []

@@ -30,7 +30,11 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import moe_gemv
 
-KERNEL_MAX_TILE = 16  # longer prompt chunks keep XLA's batched matmuls (tensor-core bound there)
+# Tiles of up to this many rows take the kernel by default on a GPU (16 is the design: longer prompt
+# chunks keep XLA's batched matmuls, tensor-core bound there). 0 until the kernel has compiled and been
+# measured on a GPU (none was lent after it was written, session 16): `bench/gpu_suite.sh moe-kernels`
+# checks and times it, `bench/throughput.py --moe-kernel-max-tile 16` runs the engine with it.
+KERNEL_MAX_TILE = 0
 
 
 def route(cfg: ModelConfig, h, router):
@@ -55,7 +59,7 @@ def experts_impl(impl: str | None, tile: int) -> str:
     KERNEL_MAX_TILE rows, else XLA (decided when the step is traced)."""
     if impl is None:
         on_gpu = moe_gemv.default_for(jax.default_backend()) == "pallas_triton"
-        return "pallas_triton" if on_gpu and tile <= KERNEL_MAX_TILE else "xla"
+        return "pallas_triton" if on_gpu and tile <= KERNEL_MAX_TILE else "xla"  # (read when traced)
     if impl != "xla" and impl not in moe_gemv.IMPLEMENTATIONS:
         raise ValueError(f"unknown MoE expert path {impl!r}; known: xla, {', '.join(moe_gemv.IMPLEMENTATIONS)}")
     return impl
