@@ -81,7 +81,8 @@ for part in "$@"; do
     # RoPE + K/V write + decode attention in one kernel (kernels/rope_attention, session 16) against the
     # two kernels it replaces, interleaved, same weights; greedy-token digests printed per engine
     # An fp8 (e4m3) K/V cache for the bf16 model (session 16): half the K/V bytes read per step
-    kv-fp8) tp 300 --workloads 1x4096x256,1x32768x256,32x1024x128 --runs 3 --kv-dtype fp8 | tail -5 ;;
+    kv-fp8) timeout 240 python3 bench/kernels_gpu.py --only check 2>&1 | grep -E "fp8|fused|FAIL|ERROR" | head -30
+            tp 300 --workloads 1x4096x256,1x32768x256,32x1024x128 --runs 3 --kv-dtype fp8 | tail -5 ;;
     fused-ab) tp 300 --workloads 1x4096x256,32x1024x128 --runs 3 --fused-decode-attention on,off,on,off \
                 --tokens-digest | tail -14
               tp 200 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest \

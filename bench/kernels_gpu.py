@@ -7,6 +7,7 @@
    chunk on a cached prefix, decodes and padding tokens; a cache over 4 GB so 64-bit offsets are
    used). Oracle: the jnp reference on f32-upcast inputs at 'highest' matmul precision. Printed:
    ||out - ref|| / ||ref|| over the real rows (bf16: expect 1e-3..1e-2), and whether all is finite.
+   Also kernels/rope_attention (fused RoPE + K/V write + decode attention) and fp8 caches.
 2. Timing: attention of a whole decode step (32 layer calls in one jitted fori_loop, the layer index
    traced, the cache spanning >= 512 MB so the 60 MB L2 does not serve it) at bs 1/32 x context
    4k/32k, and a 2,048-token prefill; per-call microseconds, K/V GB/s (decode) or TFLOP/s (prefill).
@@ -129,9 +130,16 @@ def check_cases(quick):
     ]
 
 
+def _fp8(c):
+    """The case with its caches rounded to e4m3 (--kv-cache-dtype fp8)."""
+    return dict(c, k=ref.to_cache(c["k"], jnp.float8_e4m3fn), v=ref.to_cache(c["v"], jnp.float8_e4m3fn))
+
+
 def run_checks(quick, rows):
     print("\n== correctness (bf16 in, vs f32 reference) ==", flush=True)
-    for name, c, kw in check_cases(quick):
+    cases = check_cases(quick)
+    cases += [(name + " fp8 cache", _fp8(c), kw) for name, c, kw in cases[:2]]
+    for name, c, kw in cases:
         want = oracle(c, **kw)
         for impl, fn in IMPLS.items():
             try:
@@ -144,6 +152,55 @@ def run_checks(quick, rows):
                 print(f"{name:40s} {impl:24s} ERROR {type(e).__name__}: {str(e)[:800]}", flush=True)
                 rows.append(dict(kind="check", case=name, impl=impl, error=f"{type(e).__name__}: {e}"[:400]))
         del c
+    run_fused_checks(quick, rows)
+
+
+def run_fused_checks(quick, rows):
+    """kernels/rope_attention (RoPE + K/V write + decode attention) against its reference (rope_kv's,
+    then paged attention's) on f32-upcast inputs: the attention output and the written cache rows."""
+    from jaxserve.kernels.rope_attention import pallas_triton as fused
+    from jaxserve.kernels.rope_attention import reference as fused_ref
+
+    print("\n== fused RoPE + K/V write + decode attention (bf16 in, vs f32 reference) ==", flush=True)
+    shapes = ([("tiny 4/2 hd32", [1, 40, 77], 4, 2, 32, {})] if quick else
+              [("llama bs1 ctx 4000", [4000], 32, 8, 128, {}),
+               ("llama bs32 ragged <=5000", list(np.random.default_rng(2).integers(1, 5000, 32)), 32, 8, 128, {}),
+               ("gemma3 4/1 hd256 win512 cap50", [3000, 700, 1], 4, 1, 256, dict(window=512, softcap=50.0))])
+    for i, (name, lens, H, KV, D, extra) in enumerate(shapes):
+        for cache in ("bf16", "fp8"):
+            c = make_case(jax.random.PRNGKey(10 + i), lens=lens, new=[1] * len(lens), H=H, KV=KV, D=D)
+            if cache == "fp8":
+                c = _fp8(c)
+            S = len(lens)
+            qkv = jax.random.normal(jax.random.PRNGKey(20 + i), (S, (H + 2 * KV) * D), jnp.bfloat16)
+            tables = c["tables"][:S]
+            slots = tables[jnp.arange(S), c["pos"] // 16] * 16 + c["pos"] % 16
+            inv = jnp.asarray(1.0 / (500000.0 ** (np.arange(0, D, 2) / D)), jnp.float32)
+            kw = dict(num_heads=H, num_kv_heads=KV, head_dim=D, scale=D ** -0.5, **extra)
+            args = (c["pos"], inv, jnp.float32(1.0))
+            tail = (jnp.int32(c["layer"]), slots, tables, c["seq"])
+            try:
+                got = jax.jit(lambda q, k, v: fused.rope_decode_attention(q, *args, k, v, *tail, **kw))(
+                    qkv, c["k"], c["v"])
+                # (an fp8 cache stays fp8: the reference rounds the written k/v to e4m3 too, reads in f32)
+                up = (c["k"], c["v"]) if cache == "fp8" else (c["k"].astype(jnp.float32), c["v"].astype(jnp.float32))
+                with jax.default_matmul_precision("highest"):
+                    want = jax.jit(lambda q, k, v: fused_ref.rope_decode_attention(q, *args, k, v, *tail, **kw))(
+                        qkv.astype(jnp.float32), *up)
+                err, finite = rel_err(got[0], want[0], S)
+                layer = c["layer"]
+                blk, off = slots // 16, slots % 16
+                kerr, _ = rel_err(got[1][layer, blk, off], want[1][layer, blk, off], S)
+                ok = finite and err < 2e-2 and kerr < (3e-2 if cache == "fp8" else 1e-2)
+                print(f"{name:32s} {cache} cache: out rel err {err:.2e}, written k rel err {kerr:.2e}, "
+                      f"finite {finite} {'OK' if ok else 'FAIL'}", flush=True)
+                rows.append(dict(kind="check", case=f"fused {name} {cache}", impl="rope_attention",
+                                 rel_err=err, k_rel_err=kerr, finite=finite, ok=ok))
+            except Exception as e:
+                print(f"{name:32s} {cache} ERROR {type(e).__name__}: {str(e)[:800]}", flush=True)
+                rows.append(dict(kind="check", case=f"fused {name} {cache}", impl="rope_attention",
+                                 error=f"{type(e).__name__}: {e}"[:400]))
+            del c
 
 
 # ------------------------------------------------------------------------------------------ timing
