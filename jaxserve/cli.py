@@ -68,8 +68,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="share of the memory left after weights and step temporaries given to the KV cache")
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "bfloat16",
                                                                "float16", "float32"],
-                   help="K/V cache dtype (auto: --dtype); fp8 (e4m3, no scales) holds twice the tokens of "
-                        "a bf16 cache and reads half the bytes, at ~2 significant digits per K/V value")
+                   help="K/V cache dtype (auto: --dtype); fp8 (e4m3, no scales; GPU only) holds twice the "
+                        "tokens of a bf16 cache and reads half the bytes, at ~2 significant digits per K/V value")
     e.add_argument("--mem", type=float, default=None, help="fixed KV cache budget in MB")
     e.add_argument("--num-blocks", type=int, default=None, help="fixed number of KV blocks")
     e.add_argument("--prefill-chunk-size", type=int, default=None,
