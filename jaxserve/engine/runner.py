@@ -221,7 +221,7 @@ class ModelRunner:
         kv_dtype = jnp.dtype(ecfg.kv_dtype or ecfg.dtype)
         if kv_dtype == jnp.float8_e4m3fn and platform == "cpu":
             raise ValueError("an fp8 K/V cache (kv_cache_dtype fp8) needs a GPU: XLA on CPU converts fp8 "
-                             "in software (SmolLM2 decoded 50-80x slower than with an f32 cache); keep "
+                             "in software (SmolLM2 decoded 30-85x slower than with an f32 cache); keep "
                              "the default cache dtype on CPU")
         # Axes: weights.KV_CACHE_AXES for k/v, weights.ROW_STATE_AXES for the penalty state.
         shape = (cfg.num_layers, num_blocks, ecfg.block_size, cfg.num_kv_heads, cfg.head_dim)
