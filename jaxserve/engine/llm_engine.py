@@ -164,9 +164,6 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
         return random_model(model[len(RANDOM_PREFIX):], dtype=dtype, tp=tp, devices=devices, dp=dp)
     src = open_model(model, file=file, weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
                      revision=revision, packed=packed, lm_head=lm_head)
-    if isq and src.cfg.is_moe:
-        raise ValueError(f"--isq {isq}: quantizing mixture-of-experts models is not supported (their experts, "
-                         "most of the weights, would stay dense)")
     if isq and src.prequantized:
         log.warning("%s is already quantized (%s): isq=%s is ignored", model, src.prequantized, isq)
         isq = None

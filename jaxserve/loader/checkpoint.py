@@ -183,11 +183,8 @@ def write_checkpoint(out: str | Path, src, isq: str, *, dtype: str = "auto", sou
 
     from jaxserve.models.weights import iter_checked
 
-    if src.cfg.is_moe:
-        raise CheckpointError(f"{src.cfg.arch}: quantizing mixture-of-experts models is not supported (their "
-                              "experts, most of the weights, would stay dense)")
     from jaxserve.quant.qweight import QWeight
-    from jaxserve.quant.stream import ISQ_WEIGHTS, quantize_stream
+    from jaxserve.quant.stream import ISQ_EXPERTS, ISQ_WEIGHTS, quantize_stream
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,8 +192,9 @@ def write_checkpoint(out: str | Path, src, isq: str, *, dtype: str = "auto", sou
     specs = weight_specs(cfg)
     items = [(n, i) for n, s in specs.items() for i in (range(cfg.num_layers) if s.stacked else [None])]
     leaves = ("q0", "q1", "scale", "d", "sc", "dmin", "mn", "offset", "zero")
-    bound = header_bound(f"{tensor_key(n, i)}.{leaf}" if n in ISQ_WEIGHTS else tensor_key(n, i)
-                         for n, i in items for leaf in (leaves if n in ISQ_WEIGHTS else ("",)))
+    quantized = ISQ_WEIGHTS | ISQ_EXPERTS
+    bound = header_bound(f"{tensor_key(n, i)}.{leaf}" if n in quantized else tensor_key(n, i)
+                         for n, i in items for leaf in (leaves if n in quantized else ("",)))
     writer = SafetensorsWriter(out, bound, shard_bytes, {"format": "jaxserve"})
     tensors: dict[str, dict] = {}
     stream = quantize_stream(iter_checked(cfg, src.tensors()), isq, packed=True)

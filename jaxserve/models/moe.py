@@ -18,6 +18,13 @@ kernels/moe_gemv instead: Pallas kernels that read each tile's expert weights in
 copy). A decode step's one-row tiles need no sort either: one row per (token, choice) in the router's
 order, and each token's k rows weighted and added. `moe_mlp(..., impl=)` picks the path by hand (the
 tests run the kernel in the interpreter on CPU).
+
+Packed (quantized) experts: a QWeight stack [E, K, N] (GGUF, ISQ) is gathered packed and only the
+gathered experts are dequantized (XLA; the Pallas expert kernels take float weights only); on CPU the
+native quantized kernel (CpuQWeight, kernels/quant_matmul/cpu_native) reads each tile's expert in
+place, one call per tile. Every expert on every token (`_all_experts`) dequantizes the whole stack
+behind an optimization barrier tied to the step's activations, so that XLA cannot hoist it out of the
+on-device decode loop (which would hold every layer's experts unpacked).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import moe_gemv
+from jaxserve.kernels.quant_matmul import cpu_native
+from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
+from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize, leaf_names
 
 # Tiles of up to this many rows take the kernel by default on a GPU (16 is the design: longer prompt
 # chunks keep XLA's batched matmuls, tensor-core bound there). 0 until the kernel has compiled and been
@@ -65,10 +75,11 @@ def experts_impl(impl: str | None, tile: int) -> str:
     return impl
 
 
-def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None):
+def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None, qmm: Callable | None = None):
     """The MoE block's output [T, D] for the normed hidden states h [T, D]; w: one layer's weights
-    (router [D, E], experts_gate / experts_up [E, D, F], experts_down [E, F, D], shared_* for Qwen2-MoE).
-    act: the activation (the kernel path applies cfg.hidden_act itself); impl: see experts_impl."""
+    (router [D, E], experts_gate / experts_up [E, D, F], experts_down [E, F, D], shared_* for Qwen2-MoE;
+    experts and the shared expert may be packed). act: the activation (the kernel path applies
+    cfg.hidden_act itself); impl: see experts_impl; qmm: the shared expert's quantized matmul."""
     T, D = h.shape
     E, K = cfg.num_experts, cfg.experts_per_token
     ids, weights = route(cfg, h, w["router"])
@@ -80,8 +91,10 @@ def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None
         tile = _tile(P)
         out = tiled_experts(h, ids, weights, w, act, E, tile, experts_impl(impl, tile), cfg.hidden_act)
     if cfg.shared_expert_size:
-        s = jnp.dot(act(jnp.dot(h, w["shared_gate"].astype(dt))) * jnp.dot(h, w["shared_up"].astype(dt)),
-                    w["shared_down"].astype(dt))
+        from jaxserve.models.transformer import linear  # (transformer imports this module)
+
+        lin = lambda x, m: linear(x, m if isinstance(m, (QWeight, CpuQWeight, cpu_native.LayerOf)) else m.astype(dt), qmm)
+        s = lin(act(lin(h, w["shared_gate"])) * lin(h, w["shared_up"]), w["shared_down"])
         gate = jax.nn.sigmoid(jnp.dot(h, w["shared_expert_gate"].astype(dt)).astype(jnp.float32))
         out = out + gate * s.astype(jnp.float32)
     return out.astype(dt)
@@ -91,10 +104,50 @@ def _all_experts(h, ids, weights, w, act, E):
     """Every expert on every token, each output weighted by its router weight (0 where not chosen)."""
     dt = h.dtype
     coef = jnp.zeros((h.shape[0], E), jnp.float32).at[jnp.arange(h.shape[0])[:, None], ids].add(weights)
-    g = jnp.einsum("td,edf->tef", h, w["experts_gate"].astype(dt))
-    u = jnp.einsum("td,edf->tef", h, w["experts_up"].astype(dt))
-    y = jnp.einsum("tef,efd->ted", act(g) * u, w["experts_down"].astype(dt), preferred_element_type=jnp.float32)
+    if _native(w["experts_gate"]):  # the native kernel over every expert (x repeated per expert)
+        every = jnp.arange(E, dtype=jnp.int32)
+        x = jnp.broadcast_to(h, (E, *h.shape))
+        a = act(_native_proj(x, w["experts_gate"], every)) * _native_proj(x, w["experts_up"], every)
+        y = _native_proj(a, w["experts_down"], every).astype(jnp.float32)
+        return jnp.einsum("etd,te->td", y, coef)
+    dense = {n: _dense_experts(w[n], h, dt) for n in ("experts_gate", "experts_up", "experts_down")}
+    g = jnp.einsum("td,edf->tef", h, dense["experts_gate"])
+    u = jnp.einsum("td,edf->tef", h, dense["experts_up"])
+    y = jnp.einsum("tef,efd->ted", act(g) * u, dense["experts_down"], preferred_element_type=jnp.float32)
     return jnp.einsum("ted,te->td", y, coef)
+
+
+def _native(w) -> bool:
+    return isinstance(w, (CpuQWeight, cpu_native.LayerOf))
+
+
+def _dense_experts(w, h, dt):
+    """The whole expert stack [E, K, N] as dt; a packed one dequantized after a barrier on h (a value
+    of this step), so the dequantize stays inside the decode loop instead of being hoisted out."""
+    if isinstance(w, QWeight):
+        w, _ = jax.lax.optimization_barrier((w, h))
+        return dequantize(w).astype(dt)
+    return w.astype(dt)
+
+
+def _gathered_experts(w, idx, dt):
+    """Experts `idx` [n] of the stack w as dense [n, K, N] in dt (a packed stack is gathered packed)."""
+    if isinstance(w, QWeight):  # (only the leaves dequantize reads)
+        keep = {*leaf_names(w.meta), KN_CODES}
+        return dequantize(QWeight(w.meta, {n: jnp.take(a, idx, axis=0) for n, a in w.arrays.items()
+                                           if n in keep})).astype(dt)
+    return jnp.take(w, idx, axis=0).astype(dt)
+
+
+def _native_proj(x, w, idx):
+    """x [n, t, K] @ expert idx[i] of a native CPU stack (CpuQWeight [E, ...], or a LayerOf one of
+    [L, E, ...] inside the scan over layers) -> [n, t, N] in x's dtype: one kernel call per tile,
+    each reading its expert in place."""
+    cw, idx = w, idx.astype(jnp.int32)
+    if isinstance(w, cpu_native.LayerOf):  # [L, E, ...] -> [L * E, ...]: a free reshape
+        cw = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), w.weight)
+        idx = w.index * w.weight.batch_shape[1] + idx
+    return jax.vmap(lambda xi, i: cpu_native.qmatmul(xi, cw, layer=i))(x, idx)
 
 
 def tiled_experts(h, ids, weights, w, act, E, tile, impl="xla", act_name="silu", **tuning):
@@ -150,10 +203,11 @@ def _tiled_experts(h, ids, weights, w, act, E, tile):
     x = rows.reshape(n_tiles, tile, D)
     dt = h.dtype
 
-    def proj(a, name):
-        return jnp.einsum("ntd,ndf->ntf", a, jnp.take(w[name], tile_expert, axis=0).astype(dt))
+    def proj(a, name, out=None):
+        if _native(w[name]):
+            return _native_proj(a, w[name], tile_expert).astype(out or dt)
+        return jnp.einsum("ntd,ndf->ntf", a, _gathered_experts(w[name], tile_expert, dt), preferred_element_type=out)
 
-    y = jnp.einsum("ntf,nfd->ntd", act(proj(x, "experts_gate")) * proj(x, "experts_up"),
-                   jnp.take(w["experts_down"], tile_expert, axis=0).astype(dt), preferred_element_type=jnp.float32)
+    y = proj(act(proj(x, "experts_gate")) * proj(x, "experts_up"), "experts_down", jnp.float32)
     y = y.reshape(n_tiles * tile, D)[dest] * weights.reshape(-1)[order][:, None]
     return jnp.zeros((T, D), jnp.float32).at[token].add(y)

@@ -320,12 +320,14 @@ COPY = "dp4a_codes"  # this kernel's extra QWeight leaf (pallas_kmajor's experim
 def attach_copies(weights, supported, make, name: str):
     """Every QWeight w of a weights tree with supported(w.meta, 1) gains the extra leaf `name` = make(w)
     (QWeight flattens every array it holds, so the copy travels through jit; the other kernels read
-    only their own leaves). Attach after fuse_projections: a fused weight needs its own copy."""
-    def one(w):
-        if isinstance(w, QWeight) and supported(w.meta, 1) and name not in w.arrays:
+    only their own leaves). Attach after fuse_projections: a fused weight needs its own copy. MoE expert
+    stacks get none (models/moe.py gathers and dequantizes them; a copy would be dead weight)."""
+    def one(path, w):
+        expert = any("experts_" in str(getattr(k, "key", "")) for k in path)
+        if isinstance(w, QWeight) and not expert and supported(w.meta, 1) and name not in w.arrays:
             return QWeight(w.meta, dict(w.arrays, **{name: make(w)}))
         return w
-    return jax.tree.map(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
+    return jax.tree_util.tree_map_with_path(one, weights, is_leaf=lambda w: isinstance(w, QWeight))
 
 
 def attach(weights):
