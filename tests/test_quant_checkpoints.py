@@ -496,3 +496,35 @@ def test_unsupported_quantization_configs_fail_at_config(tmp_path, qc, match):
                num_attention_heads=4, quantization_config=qc)
     with pytest.raises(ConfigError, match=match):
         model_config_from_hf(cfg)
+
+
+# ------------------------------------------------------------------- mixture-of-experts checkpoints
+@pytest.mark.parametrize("fmt", ["gptq4_v1_g32", "awq_g64", "fp8_32x64"])
+def test_moe_checkpoint_experts_load_packed(tmp_path, fmt):
+    """A Qwen3-MoE with every expert's projections quantized (as GPTQ/AutoAWQ/FP8 quantizers write
+    MoE models: one quantized module per expert; the router stays float): each layer's experts load
+    as one stacked QWeight [E, K, N] whose dequantization is the independent numpy one bit for bit,
+    and the engine gives the same tokens and logprobs packed and dequantized."""
+    from jaxserve.loader.hf_config import model_config_from_dir
+    from jaxserve.loader.safetensors_loader import iter_safetensors_tensors
+    from jaxserve.quant.qweight import QWeight, dequantize
+
+    src = add_byte_tokenizer(make_tiny_model("qwen3_moe", tmp_path / "src"))
+    d, refs = make_checkpoint(src, tmp_path / fmt, fmt)
+    cfg = model_config_from_dir(d)
+    packed = {(n, i): a for n, i, a in iter_safetensors_tensors(d, cfg, packed=True)}
+    dense = {(n, i): a for n, i, a in iter_safetensors_tensors(d, cfg, packed=False)}
+    proj = {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}
+    for layer in range(cfg.num_layers):
+        assert not isinstance(packed[("layers.router", layer)], QWeight)
+        for canon, hf in proj.items():
+            want = np.stack([refs[f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"].T
+                             for e in range(cfg.num_experts)])
+            qw = packed[(f"layers.{canon}", layer)]
+            assert isinstance(qw, QWeight) and qw.batch_shape == (cfg.num_experts,)
+            assert np.array_equal(np.asarray(dequantize(qw)), want), (canon, layer)
+            assert np.array_equal(dense[(f"layers.{canon}", layer)], want), (canon, layer)
+    ref_tokens, ref_lps, was_packed = _generate(d, packed_weights=False)
+    tokens, lps, was_packed = _generate(d, packed_weights=True)
+    assert was_packed and tokens == ref_tokens
+    assert np.abs(lps - ref_lps).max() <= 1e-4

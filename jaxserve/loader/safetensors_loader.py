@@ -245,9 +245,7 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
     files = [Path(f) for f in files] if files else checkpoint_files(model_dir)
     headers = [(p, *read_header(p)) for p in files]
     scheme = hf_quant.quant_config_from_dir(model_dir) if quant == "auto" else quant
-    if scheme and cfg.is_moe:
-        raise SafetensorsError(f"quantized ({scheme.method}) mixture-of-experts checkpoints are not supported")
-    experts: dict[tuple[str, int], dict[int, np.ndarray]] = {}  # a layer's experts, stacked once all are read
+    experts: dict[tuple[str, int], dict] = {}  # a layer's experts, stacked once all are read
     where = {name: (path, start, info) for path, start, header in headers for name, info in header.items()}
     modules, skip = hf_quant.plan_modules(where, scheme) if scheme else ({}, set())
     primary = {ps[scheme.primary]: mod for mod, ps in modules.items()}
@@ -264,7 +262,7 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
                     continue
                 if hf_name in primary:
                     yield from _quantized(primary[hf_name], modules[primary[hf_name]], where, scheme, cfg, packed,
-                                          pooling)
+                                          pooling, experts)
                     bar.update(nbytes)
                     continue
                 target = canonical_name(hf_name, cfg, pooling)
@@ -276,12 +274,8 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
                 if kind.startswith("expert:"):
                     if arr.ndim != 2:
                         raise SafetensorsError(f"tensor {hf_name!r} should be 2-D, has shape {arr.shape}")
-                    parts = experts.setdefault((canon, layer), {})
-                    parts[int(kind[len("expert:"):])] = arr.T
-                    if len(parts) == cfg.num_experts:
-                        yield canon, layer, np.stack([parts[e] for e in range(cfg.num_experts)])
-                        del experts[(canon, layer)]
-                    del arr, parts
+                    yield from _add_expert(experts, cfg, canon, layer, kind, arr.T)
+                    del arr
                     bar.update(nbytes)
                     continue
                 if kind == "linear":
@@ -298,6 +292,19 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
     for (canon, layer), parts in experts.items():
         missing = sorted(set(range(cfg.num_experts)) - set(parts))
         raise SafetensorsError(f"{canon}[{layer}]: experts {missing} are missing from the checkpoint")
+
+
+def _add_expert(experts: dict, cfg: ModelConfig, canon: str, layer: int, kind: str, arr):
+    """Collect one expert's projection; once a layer has all of them, yield their stack [E, K, N]
+    (a QWeight stack for packed quantized experts)."""
+    from jaxserve.quant.qweight import QWeight, stack
+
+    parts = experts.setdefault((canon, layer), {})
+    parts[int(kind[len("expert:"):])] = arr
+    if len(parts) == cfg.num_experts:
+        del experts[(canon, layer)]
+        each = [parts.pop(e) for e in range(cfg.num_experts)]
+        yield canon, layer, stack(each) if isinstance(each[0], QWeight) else np.stack(each)
 
 
 def _zero_biases(modules: dict, where: dict, cfg: ModelConfig, pooling: bool = False) -> set[str]:
@@ -324,8 +331,9 @@ def _zero_biases(modules: dict, where: dict, cfg: ModelConfig, pooling: bool = F
 
 
 def _quantized(mod: str, parts: dict[str, str], where: dict, scheme, cfg: ModelConfig, packed: bool,
-               pooling: bool = False):
-    """The canonical tensor of one quantized module (nothing for a tied LM head)."""
+               pooling: bool = False, experts: dict | None = None):
+    """The canonical tensor of one quantized module (nothing for a tied LM head; an MoE expert goes
+    to `experts`, see _add_expert)."""
     from jaxserve.loader import hf_quant
     from jaxserve.quant.qweight import dequantize
 
@@ -333,7 +341,7 @@ def _quantized(mod: str, parts: dict[str, str], where: dict, scheme, cfg: ModelC
     if target is None:
         return
     canon, layer, kind = target
-    if kind != "linear":
+    if kind != "linear" and not kind.startswith("expert:"):
         raise SafetensorsError(f"tensor {parts[scheme.primary]!r}: a quantized {kind} ({canon}) is not supported")
     K, N = weight_specs(cfg)[canon].shape[-2:]
     mapped = {}
@@ -342,4 +350,8 @@ def _quantized(mod: str, parts: dict[str, str], where: dict, scheme, cfg: ModelC
         mapped[part] = (name, info["dtype"], _map_tensor(path, start, name, info, hf_quant.READ_DTYPES))
     qw = hf_quant.convert(scheme, mapped, K, N)
     del mapped
-    yield canon, layer, (qw if packed else np.asarray(dequantize(qw), np.float32))
+    out = qw if packed else np.asarray(dequantize(qw), np.float32)
+    if kind.startswith("expert:"):
+        yield from _add_expert(experts, cfg, canon, layer, kind, out)
+    else:
+        yield canon, layer, out
