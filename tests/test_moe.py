@@ -2,7 +2,7 @@
 Face transformers on tiny random checkpoints: every position's log_softmax through the paged KV cache
 (a ragged batch, chunked continuation, decodes; scanned and unrolled layers), greedy generation through
 `LLM`, the routing itself against an independent per-token loop, and the refusals (missing experts,
-tensor parallelism, export)."""
+export)."""
 
 import json
 
@@ -92,8 +92,9 @@ def test_refusals(tmp_path):
 
     d = make_tiny_model("mixtral", tmp_path)
     cfg = model_config_from_dir(d)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_tp(cfg, 2)
+    with pytest.raises(ValueError, match=f"moe_intermediate_size {cfg.moe_intermediate_size}"):
+        check_tp(cfg, 3)  # tensor parallelism splits each expert's hidden size (tests/test_tensor_parallel.py)
+    assert check_tp(cfg, 2)["moe_mlp"] == "model"
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         hf_config_from_model_config(cfg)
     # an expert missing from the checkpoint

@@ -1,5 +1,6 @@
 """Tensor parallelism on a CPU mesh of 8 host devices: tp=2/4/8 give the same greedy tokens and logits
-(within 1e-5) as one device, for Llama- and Gemma-family models, with chunked prefill and prefix cache."""
+(within 1e-5) as one device, for Llama- and Gemma-family models and a mixture of experts (Qwen2-MoE:
+experts and shared expert split along their hidden size), with chunked prefill and prefix cache."""
 
 import json
 import os
@@ -25,7 +26,7 @@ def _run(model_dir, tp):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("family,tps", [("llama", (2, 4)), ("gemma3", (8,))])
+@pytest.mark.parametrize("family,tps", [("llama", (2, 4)), ("gemma3", (8,)), ("qwen2_moe", (2,))])
 def test_tp_matches_single_device(family, tps, tmp_path):
     # 8 heads / 4 KV heads / mlp 128: divisible by 8; tp=8 replicates KV heads (fewer than tp).
     d = add_byte_tokenizer(make_tiny_model(family, tmp_path, num_attention_heads=8, num_key_value_heads=4,

@@ -285,7 +285,9 @@ class ModelRunner:
         common = dict(scan_layers=self.scan_layers, attention=self.attention, num_top=self.num_top,
                       add_norm=self.add_norm, rope_kv=self.rope_kv, qmm=self.qmatmul,
                       block_size=self.ecfg.block_size,
-                      logits_sharding=self._replicated if self.mesh is not None else None)
+                      logits_sharding=self._replicated if self.mesh is not None else None,
+                      # the Pallas expert kernels take whole arrays: XLA's path where the experts are sharded
+                      moe_impl="xla" if self.mesh is not None else None)
         if key[0] == "decode":
             f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps,
                         rope_attend=self.rope_attend, **common)

@@ -58,7 +58,7 @@ PLP_CHUNK = 512  # rows of prompt log-probs computed at once (mixed_step)
 
 
 def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-               block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None):
+               block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None, moe_impl=None):
     R = state["out_counts"].shape[0] - 1
     # Fresh rows: clear their penalty state before counting this step's tokens into them.
     reset_rows = jnp.where(inp["reset"], inp["rows"], R)
@@ -77,7 +77,7 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                        scan_layers=scan_layers, attention=attention, add_norm=add_norm,
-                                       rope_kv=rope_kv, qmm=qmm)
+                                       rope_kv=rope_kv, qmm=qmm, moe_impl=moe_impl)
     state = dict(state, k=k, v=v)
     out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], inp["samples"],
                          inp["sample_pos"], inp["st"], num_top, logits_sharding, qmm)
@@ -120,7 +120,7 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
                 max_steps, block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None,
-                rope_attend=None):
+                rope_attend=None, moe_impl=None):
     S = inp["token_ids"].shape[0]
     token_seq = jnp.arange(S, dtype=jnp.int32)
 
@@ -132,7 +132,7 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
         hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                            scan_layers=scan_layers, attention=attention,
                                            add_norm=add_norm, rope_kv=rope_kv, qmm=qmm,
-                                           rope_attend=rope_attend)
+                                           rope_attend=rope_attend, moe_impl=moe_impl)
         state = dict(state, k=k, v=v)
         # min_tokens: EOS stays banned while fewer than min_tokens outputs exist at this inner step.
         st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > i)

@@ -64,7 +64,7 @@ def layer_constants(cfg: ModelConfig) -> dict[str, np.ndarray]:
 def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, resid=None,
                   add_norm: Callable | None = None, rope_kv: Callable | None = None,
                   qmm: Callable | None = None, split_sums: bool = False,
-                  rope_attend: Callable | None = None):
+                  rope_attend: Callable | None = None, moe_impl: str | None = None):
     """One block. x [T, D]; w: this layer's weights; c: this layer's constants; kv: (k_cache, v_cache).
 
     The block's input is x + resid (resid: the previous block's MLP output, or None) and its output
@@ -75,7 +75,8 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     may return split-K partials (a SplitSum) to the kernels that consume them (rope_kv, add_norm), one
     reduction kernel less each; resid may then be one (not in a scan: its carry is a plain array).
     rope_attend: RoPE + K/V write + decode attention in one kernel (kernels/rope_attention), used
-    with rope_kv in steps of decode tokens only (the decode program: no `decode_slots` region)."""
+    with rope_kv in steps of decode tokens only (the decode program: no `decode_slots` region).
+    moe_impl: the MoE experts' path (models/moe.experts_impl; the runner passes 'xla' on a mesh)."""
     add_norm = add_norm or _add_rms_norm_ref
     eps = cfg.rms_norm_eps
     T = x.shape[0]
@@ -141,7 +142,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     down_split = split_sums and not cfg.sandwich_norms
     native_down = not cfg.is_moe and isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
     if cfg.is_moe:
-        m = moe.moe_mlp(cfg, h, w, lambda a: _act(cfg, a), qmm=qmm)
+        m = moe.moe_mlp(cfg, h, w, lambda a: _act(cfg, a), impl=moe_impl, qmm=qmm)
     elif "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
         # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
         m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
@@ -229,7 +230,7 @@ def embed(cfg: ModelConfig, weights, token_ids, dtype):
 def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers: bool,
                    attention: Callable = attn_ref.paged_attention, add_norm: Callable | None = None,
                    rope_kv: Callable | None = None, qmm: Callable | None = None,
-                   rope_attend: Callable | None = None):
+                   rope_attend: Callable | None = None, moe_impl: str | None = None):
     """Run all layers. Returns (final-normed hidden [T, D], (k_cache, v_cache)).
 
     batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
@@ -250,7 +251,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
             w, c = xs
             w = dict(w, **{k: cpu_native.LayerOf(v, c["index"]) for k, v in native.items()})
             x, resid, kv = decoder_layer(cfg, x, w, c, kv, batch, attention, resid, add_norm, rope_kv, qmm,
-                                         rope_attend=rope_attend)
+                                         rope_attend=rope_attend, moe_impl=moe_impl)
             return (x, resid, kv), None
 
         # The first block's residual is zero (x + 0 == x exactly): one carry structure for the scan.
@@ -266,7 +267,7 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
         @jax.jit
         def block(x, resid, w, c, kv, arrays):
             return decoder_layer(cfg, x, w, c, kv, {**arrays, **static}, attention, resid, add_norm, rope_kv,
-                                 qmm, split_sums=True, rope_attend=rope_attend)
+                                 qmm, split_sums=True, rope_attend=rope_attend, moe_impl=moe_impl)
 
         # The layer constants are compile-time literals here (numpy from the static config), not
         # slices of the traced `consts`: on the GPU each slice was a kernel (4 per layer, ~1 us each)

@@ -29,6 +29,8 @@ LOGICAL_RULES: dict[str, str | None] = {
     "q_heads": MODEL,
     "kv_heads": MODEL,
     "mlp": MODEL,
+    "moe_mlp": MODEL,  # each expert split along its hidden size (all experts on every device)
+    "experts": None,
     "head_dim": None,
     "kv_blocks": None,
     "block": None,
@@ -54,14 +56,12 @@ def check_tp(cfg, tp: int) -> dict[str, str | None]:
     rules = dict(LOGICAL_RULES)
     if tp == 1:
         return rules
-    if cfg.is_moe:
-        raise ValueError(f"tensor parallelism (tp {tp}) is not implemented for mixture-of-experts models; "
-                         "run them on one device (or data-parallel replicas of one)")
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_heads {cfg.num_heads}")
-    if cfg.intermediate_size % tp:
-        problems.append(f"intermediate_size {cfg.intermediate_size}")
+    sizes = (("moe_intermediate_size", cfg.moe_intermediate_size), ("shared_expert_size", cfg.shared_expert_size)) \
+        if cfg.is_moe else (("intermediate_size", cfg.intermediate_size),)
+    problems += [f"{name} {v}" for name, v in sizes if v % tp]
     if problems:
         raise ValueError(f"tensor-parallel size {tp} must divide {', '.join(problems)}")
     if cfg.num_kv_heads % tp:
