@@ -2,7 +2,7 @@
 Face transformers on tiny random checkpoints: every position's log_softmax through the paged KV cache
 (a ragged batch, chunked continuation, decodes; scanned and unrolled layers), greedy generation through
 `LLM`, the routing itself against an independent per-token loop, and the refusals (missing experts,
-export)."""
+HF config and GGUF export; GGUF files: tests/test_moe_gguf.py; packed experts: tests/test_moe_quant.py)."""
 
 import json
 
@@ -109,13 +109,15 @@ def test_refusals(tmp_path):
     (d / "config.json").write_text(json.dumps({**c, "model_type": "qwen3_moe", "mlp_only_layers": [0]}))
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         model_config_from_dir(d)
-    # GGUF export
+    # GGUF export: a shared expert only where llama.cpp's arch has one (qwen2moe, gated)
+    import dataclasses
+
     from tiny_tokenizer import add_byte_tokenizer
     from tools.convert.gguf_export import ExportError, _check
 
     q = add_byte_tokenizer(make_tiny_model("qwen3_moe", tmp_path / "q"))
-    with pytest.raises(ExportError, match="mixture-of-experts"):
-        _check(model_config_from_dir(q))
+    with pytest.raises(ExportError, match="a shared expert"):
+        _check(dataclasses.replace(model_config_from_dir(q), shared_expert_size=16))
 
 
 def test_config_mapping_edge_cases():

@@ -4,6 +4,10 @@ Conventions undone here (see ModelConfig): GGUF stores matrices [out, in] and we
 llama.cpp permutes the q/k rows of `llama`-arch models for its interleaved RoPE, which we reverse to
 HF's rotate-half layout (qwen2/qwen3/gemma are converted unpermuted); Gemma's norms are stored as
 1 + w by the converter, which is exactly our "effective multiplier", so they pass through untouched.
+
+Mixture-of-experts files (qwen2moe, qwen3moe, and `llama` with experts = Mixtral) hold each layer's
+experts as one 3-D tensor `ffn_{gate,up,down}_exps` (numpy [E, out, in]), or, in llama.cpp's older
+Mixtral files, one tensor per expert (`ffn_gate.<e>.weight`); both become our [E, in, out] stacks.
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from jaxserve.loader.dequant import dequantize_tensor
 
 log = logging.getLogger(__name__)
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+# GGUF architecture with experts -> ModelConfig arch (a `llama` file with experts is Mixtral)
+MOE_ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Whether llama.cpp's graph for the arch renormalizes the top-k router weights (build_moe_ffn's norm_w:
+# hard-coded per arch there, whatever the file says)
+MOE_NORM_W = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 # Token texts llama.cpp also treats as end-of-generation when the file names no eot id for them.
 EOG_TOKEN_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -170,9 +179,12 @@ def gguf_model_config(readers) -> ModelConfig:
     def g(key, default=None):
         return meta_get(readers, f"{arch}.{key}", default)
 
-    if int(g("expert_count", 0) or 0):
-        raise ConfigError(f"GGUF {arch} with {g('expert_count')} experts: mixture-of-experts GGUF files are not "
-                          "supported (load the Hugging Face safetensors checkpoint)")
+    experts = int(_scalar(g("expert_count", 0) or 0, "expert_count"))
+    if experts and arch not in MOE_ARCHS:
+        raise ConfigError(f"GGUF {arch} with {experts} experts: mixture-of-experts {arch} files are not supported "
+                          f"(supported: {', '.join(MOE_ARCHS)})")
+    if not experts and arch in MOE_ARCHS and arch != "llama":
+        raise ConfigError(f"GGUF {arch} file without {arch}.expert_count")
     names = tensor_names(readers)
     hidden = int(g("embedding_length"))
     heads = int(_scalar(g("attention.head_count"), "head_count"))
@@ -185,11 +197,13 @@ def gguf_model_config(readers) -> ModelConfig:
         vocab = next(t.shape[1] for r in readers for t in r.tensors if t.name == "token_embd.weight")
     theta = float(g("rope.freq_base", 10000.0))
 
+    ffn = g("feed_forward_length")
+    ffn = int(_scalar(ffn, "feed_forward_length")) if ffn is not None else int(g("expert_feed_forward_length") or 0)
     cfg: dict[str, Any] = dict(
-        arch=arch,
+        arch=MOE_ARCHS[arch] if experts else arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_scalar(g("feed_forward_length"), "feed_forward_length")),
+        intermediate_size=ffn,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -205,6 +219,8 @@ def gguf_model_config(readers) -> ModelConfig:
         eos_token_ids=eog_token_ids(readers),
         pad_token_id=meta_get(readers, "tokenizer.ggml.padding_token_id"),
     )
+    if experts:
+        cfg.update(_moe_fields(readers, arch, experts, ffn, layers))
     if arch == "llama":  # (Mistral/Yi/SmolLM2 files are `llama` too: the same model for us)
         if "rope_freqs.weight" in names and cfg["rope_scaling"] is None:
             t = next(t for r in readers for t in r.tensors if t.name == "rope_freqs.weight")
@@ -236,6 +252,95 @@ def gguf_model_config(readers) -> ModelConfig:
         if not cfg["sliding_window"]:
             cfg["layer_types"] = ("full",) * layers
     return ModelConfig(**cfg)
+
+
+# Routing keys (gguf.Keys.LLM) of other MoE designs -> the largest value that leaves these archs'
+# routing unchanged (grouped routing, dense leading layers, interleaved MoE layers are not implemented)
+_MOE_LIMITS = {"expert_group_count": 1, "expert_group_used_count": 1, "leading_dense_block_count": 0,
+               "moe_every_n_layers": 1, "interleave_moe_layer_step": 1, "expert_chunk_feed_forward_length": 0,
+               "moe_latent_size": 0}
+_SHEXP = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+
+
+def _moe_fields(readers, arch: str, experts: int, ffn: int, layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields, with llama.cpp's semantics for `arch`: softmax over the
+    router's logits, top-k, renormalized per MOE_NORM_W (unless the file's expert_weights_norm says
+    otherwise), no scaling; Qwen2-MoE adds one shared expert behind a sigmoid gate."""
+    def g(key, default=None):
+        return meta_get(readers, f"{arch}.{key}", default)
+
+    used = int(_scalar(g("expert_used_count", 0) or 0, "expert_used_count"))
+    if not 0 < used <= experts:
+        raise ConfigError(f"GGUF {arch}: expert_used_count {used} of {experts} experts")
+    gating = g("expert_gating_func")
+    if gating not in (None, 0, 1):  # 0: unset, 1: softmax (all llama.cpp runs for these archs)
+        raise ConfigError(f"GGUF {arch}: {arch}.expert_gating_func {_gating_name(gating)} is not supported "
+                          "(softmax routing only)")
+    scale = g("expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ConfigError(f"GGUF {arch}: {arch}.expert_weights_scale {scale} (scaled router weights) is not "
+                          "supported")
+    for key, limit in _MOE_LIMITS.items():
+        if (v := g(key)) is not None and int(_scalar(v, key)) > limit:
+            raise ConfigError(f"GGUF {arch}: {arch}.{key} = {v} is not supported (at most {limit})")
+    shared_len, shared_count = g("expert_shared_feed_forward_length"), g("expert_shared_count")
+    if arch == "qwen2moe":
+        if shared_count not in (None, 0, 1):
+            raise ConfigError(f"GGUF qwen2moe: {shared_count} shared experts (Qwen2-MoE has one)")
+        shared = int(shared_len or ffn)  # llama.cpp's default: the dense feed-forward length
+    elif shared_len or shared_count:
+        raise ConfigError(f"GGUF {arch} with shared experts: not supported (only qwen2moe's gated one)")
+    else:
+        shared = 0
+    norm = MOE_NORM_W[arch]
+    if (key := g("expert_weights_norm")) is not None and bool(key) != norm:
+        log.warning("GGUF %s: expert_weights_norm=%s; following it, though llama.cpp's %s graph %s the "
+                    "top-k router weights whatever the key says", arch, bool(key), arch,
+                    "renormalizes" if norm else "does not renormalize")
+        norm = bool(key)
+    # llama.cpp's defaults: Mixtral's experts are feed_forward_length wide; qwen*moe files without the
+    # key split the dense width between the used experts
+    width = ffn if arch == "llama" else int(g("expert_feed_forward_length") or ffn // used)
+    _check_moe_tensors(readers, arch, layers, experts, shared > 0)
+    return dict(num_experts=experts, experts_per_token=used, moe_intermediate_size=width, norm_topk_prob=norm,
+                shared_expert_size=shared)
+
+
+def _gating_name(value) -> str:
+    try:
+        from gguf import ExpertGatingFuncType
+
+        return f"{int(value)} ({ExpertGatingFuncType(int(value)).name.lower()})"
+    except (ImportError, ValueError):
+        return str(value)
+
+
+def _check_moe_tensors(readers, arch: str, layers: int, experts: int, shared: bool) -> None:
+    """Every layer's router and experts (3-D, or one tensor per expert) are in the tensor table and hold
+    `experts` experts: a missing or mis-counted one is named before anything is read."""
+    table = {t.name: t for r in _readers(readers) for t in r.tensors}
+    missing, wrong = [], []
+    for i in range(layers):
+        p = f"blk.{i}."
+        need = {"ffn_gate_inp.weight": 1, **dict.fromkeys(_SHEXP if shared else (), None)}  # name -> expert axis
+        for proj in ("gate", "up", "down"):
+            per_expert = [f"ffn_{proj}.{e}.weight" for e in range(experts)]
+            if p + f"ffn_{proj}_exps.weight" in table or not any(p + n in table for n in per_expert):
+                need[f"ffn_{proj}_exps.weight"] = 2
+            else:
+                need.update(dict.fromkeys(per_expert))
+        for n, axis in need.items():
+            t = table.get(p + n)
+            if t is None:
+                missing.append(p + n)
+            elif axis is not None and (len(t.shape) <= axis or int(t.shape[axis]) != experts):
+                wrong.append(f"{p + n} (ggml shape {[int(s) for s in t.shape]})")
+    if missing:
+        head = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ConfigError(f"GGUF {arch} with {experts} experts is missing tensor(s) {head}")
+    if wrong:
+        raise ConfigError(f"GGUF {arch}: {arch}.expert_count is {experts}, but tensor(s) {', '.join(wrong[:4])} "
+                          "hold another number of experts")
 
 
 # GGUF tensor name -> (canonical name, stored [out, in] so needs a transpose)
@@ -283,19 +388,40 @@ def _progress_disabled() -> bool:
     return os.environ.get("JAXSERVE_NO_PROGRESS") == "1" or not sys.stderr.isatty()
 
 
-# Matmul weights that can stay packed on the device (the embedding table is gathered: dequantized).
+# Mixture-of-experts layers (as llama.cpp's converter writes them); 3-D tensors are [E, out, in] in numpy
+_MOE_PER_LAYER = {
+    "ffn_gate_inp.weight": ("layers.router", True),
+    "ffn_gate_exps.weight": ("layers.experts_gate", True),
+    "ffn_up_exps.weight": ("layers.experts_up", True),
+    "ffn_down_exps.weight": ("layers.experts_down", True),
+    "ffn_gate_shexp.weight": ("layers.shared_gate", True),
+    "ffn_up_shexp.weight": ("layers.shared_up", True),
+    "ffn_down_shexp.weight": ("layers.shared_down", True),
+    "ffn_gate_inp_shexp.weight": ("layers.shared_expert_gate", True),  # [D] (squeezed by the converter)
+}
+_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")  # older Mixtral files: one tensor per expert
+
+# Matmul weights that can stay packed on the device (the embedding table is gathered: dequantized;
+# the router and the shared expert's gate stay f32, as llama.cpp's converter writes them).
 PACKABLE = {"layers.q", "layers.k", "layers.v", "layers.o", "layers.gate", "layers.up", "layers.down",
-            "lm_head"}
+            "lm_head", "layers.experts_gate", "layers.experts_up", "layers.experts_down", "layers.shared_gate",
+            "layers.shared_up", "layers.shared_down"}
 
 
 def iter_gguf_tensors(readers, cfg: ModelConfig, packed: bool = False) -> Iterator[tuple[str, int | None, np.ndarray]]:
     """Yield `(canonical name, layer or None, float32 array)` tensor by tensor, in canonical layout.
-    packed: quantized matmul weights come as QWeights (jaxserve.quant), repacked exactly."""
+    packed: quantized matmul weights come as QWeights (jaxserve.quant), repacked exactly; a layer's
+    experts as one QWeight with a leading expert dim (batch_shape (E,))."""
     from tqdm.auto import tqdm
+
+    from jaxserve.models.weights import weight_specs
 
     readers = _readers(readers)
     tensors = [t for r in readers for t in r.tensors]
     permute = meta_get(readers, "general.architecture") == "llama"
+    specs = weight_specs(cfg)
+    table = {**_PER_LAYER, **_MOE_PER_LAYER} if cfg.is_moe else _PER_LAYER
+    split: dict[tuple[str, int], dict[int, Any]] = {}  # per-expert tensors, until a layer's set is complete
     with tqdm(total=len(tensors), desc="loading GGUF", unit="tensor", disable=_progress_disabled()) as bar:
         for t in tensors:
             bar.update(1)
@@ -305,15 +431,71 @@ def iter_gguf_tensors(readers, cfg: ModelConfig, packed: bool = False) -> Iterat
                 (name, transpose), layer = _GLOBAL[t.name], None
             else:
                 m = _LAYER_RE.match(t.name)
-                if not m or m[2] not in _PER_LAYER:
+                em = _EXPERT_RE.match(m[2]) if m and cfg.is_moe else None
+                if not m or (m[2] not in table and em is None):
                     raise ValueError(f"GGUF tensor {t.name!r} is not part of a {cfg.arch} model this loader knows")
-                (name, transpose), layer = _PER_LAYER[m[2]], int(m[1])
+                layer = int(m[1])
                 if layer >= cfg.num_layers:
                     raise ValueError(f"GGUF tensor {t.name!r}: layer {layer} >= block_count {cfg.num_layers}")
-            if packed and name in PACKABLE and is_packable_type(int(t.tensor_type)):
+                if em is not None:
+                    name, e = f"layers.experts_{em[1]}", int(em[2])
+                    if e >= cfg.num_experts:
+                        raise ValueError(f"GGUF tensor {t.name!r}: expert {e} >= expert_count {cfg.num_experts}")
+                    _check_shape(t, specs[name].shape[-2:], (int(s) for s in t.shape.tolist()))
+                    parts = split.setdefault((name, layer), {})
+                    parts[e] = t
+                    if len(parts) == cfg.num_experts:
+                        del split[(name, layer)]
+                        pieces = [(parts[i].data, int(parts[i].tensor_type), parts[i].name) for i in range(len(parts))]
+                        yield name, layer, _experts(pieces, specs[name].shape[-2:], packed)
+                    continue
+                (name, transpose) = table[m[2]]
+            spec = specs.get(name)
+            if spec is not None:  # (an unknown weight is iter_checked's to name)
+                _check_shape(t, spec.shape[1:] if spec.stacked else spec.shape, _canonical_shape(t, name, transpose))
+            if len(t.shape) == 3 and spec is not None:  # a layer's experts in one tensor: [E, N, K] in numpy
+                pieces = [(t.data[e], int(t.tensor_type), f"{t.name}[{e}]") for e in range(int(t.shape[2]))]
+                yield name, layer, _experts(pieces, spec.shape[-2:], packed and name in PACKABLE)
+            elif packed and name in PACKABLE and is_packable_type(int(t.tensor_type)):
                 yield name, layer, _packed(t, name, permute, cfg)
             else:
-                yield name, layer, _canonical(t, name, transpose, permute, cfg)
+                arr = _canonical(t, name, transpose, permute, cfg)
+                yield name, layer, arr.reshape(-1, 1) if name == "layers.shared_expert_gate" else arr
+
+
+def _canonical_shape(t, name: str, transpose: bool) -> tuple[int, ...]:
+    """The canonical shape a GGUF tensor will have (from its ggml shape, innermost dim first)."""
+    ne = tuple(int(s) for s in t.shape.tolist())
+    if len(ne) == 3:  # [E, in, out]
+        return ne[2], ne[0], ne[1]
+    if name == "layers.shared_expert_gate" and len(ne) == 1:
+        return ne[0], 1
+    return ne if transpose and len(ne) == 2 else ne[::-1]
+
+
+def _check_shape(t, want, got) -> None:
+    got, want = tuple(got), tuple(int(s) for s in want)
+    if got != want:
+        raise ValueError(f"GGUF tensor {t.name!r} has ggml shape {[int(s) for s in t.shape]}: {got} in our layout, "
+                         f"but the model's metadata implies {want}")
+
+
+def _experts(pieces, shape_kn, packed: bool):
+    """One layer's experts, each (raw data in GGUF's [N, ...] rows, ggml type, name), as a stacked
+    [E, K, N]: a QWeight with batch_shape (E,) when packed and every expert is of a packable type,
+    else float32, each expert dequantized straight into its transposed slot."""
+    K, N = (int(s) for s in shape_kn)
+    if packed and len({tp for _, tp, _ in pieces}) == 1 and is_packable_type(pieces[0][1]):
+        from jaxserve.quant.gguf_pack import pack_gguf
+        from jaxserve.quant.qweight import stack
+
+        return stack([pack_gguf(tp, data, (K, N), name=n) for data, tp, n in pieces])
+    from jaxserve.loader.dequant import dequantize
+
+    res = np.empty((len(pieces), K, N), np.float32)
+    for e, (data, tp, n) in enumerate(pieces):
+        dequantize(data, tp, (N, K), n, out=res[e].T)
+    return res
 
 
 def _packed(t, name: str, permute: bool, cfg: ModelConfig):

@@ -3,8 +3,9 @@
     python -m tools.convert.export --model smol-q4k --format gguf --out smol-f16.gguf --dtype f16
     python -m tools.convert.export --model model.gguf --format safetensors --out smol-hf --dtype bf16
 
-gguf: llama-family models (Llama, Mistral, SmolLM2, Qwen2/3) and Gemma 2/3 whose settings the GGUF
-keys can carry; tensors F32/F16/BF16 or Q8_0 (norms stay F32); tokenizer from a byte-level BPE
+gguf: llama-family models (Llama, Mistral, SmolLM2, Qwen2/3), Gemma 2/3 and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE whose settings the GGUF keys can carry; tensors F32/F16/BF16 or Q8_0
+(norms and MoE routers stay F32); tokenizer from a byte-level BPE
 tokenizer (or copied from a GGUF source). safetensors: config.json, [out, in] weights under HF names,
 tokenizer files: a directory transformers loads with from_pretrained. A quantized source (a jaxserve
 checkpoint, a quantized GGUF) is written dequantized. Weights stream tensor by tensor.

@@ -5,6 +5,10 @@ matrices back to GGUF's [out, in] rows, llama-arch q/k rows re-permuted for llam
 RoPE, tokenizer.ggml.* as Tokenizer.from_gguf reads them. Only what our loader reads back the same is
 written; anything else (a sliding window on a llama model, an unusual Gemma query scale) is an error.
 
+Mixture-of-experts models (Mixtral as `llama` with experts, Qwen2-MoE, Qwen3-MoE) are written as
+llama.cpp's converter writes them: one 3-D `ffn_{gate,up,down}_exps` tensor per layer, the router
+`ffn_gate_inp` always F32, Qwen2-MoE's shared-expert gate `ffn_gate_inp_shexp` as an F32 vector.
+
 The header (metadata and tensor table) comes first, so every tensor's shape, type and offset is fixed
 up front; each tensor is then written at its offset as the source stream yields it, whatever the
 stream's order, and dropped.
@@ -24,7 +28,8 @@ from jaxserve.config import ModelConfig
 log = logging.getLogger(__name__)
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "gemma2": "gemma2", "gemma3": "gemma3"}
+             "gemma2": "gemma2", "gemma3": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+             "qwen3_moe": "qwen3moe"}
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 
 # canonical name -> GGUF tensor name (per-layer ones under blk.<i>.)
@@ -36,7 +41,12 @@ _LAYER = {
     "layers.k_norm": "attn_k_norm.weight", "layers.post_attn_norm": "post_attention_norm.weight",
     "layers.ffn_norm": "ffn_norm.weight", "layers.post_ffn_norm": "post_ffw_norm.weight",
     "layers.gate": "ffn_gate.weight", "layers.up": "ffn_up.weight", "layers.down": "ffn_down.weight",
+    "layers.router": "ffn_gate_inp.weight", "layers.experts_gate": "ffn_gate_exps.weight",
+    "layers.experts_up": "ffn_up_exps.weight", "layers.experts_down": "ffn_down_exps.weight",
+    "layers.shared_gate": "ffn_gate_shexp.weight", "layers.shared_up": "ffn_up_shexp.weight",
+    "layers.shared_down": "ffn_down_shexp.weight", "layers.shared_expert_gate": "ffn_gate_inp_shexp.weight",
 }
+_F32 = ("layers.router", "layers.shared_expert_gate")  # llama.cpp keeps the routers in F32
 _PERMUTED = ("layers.q", "layers.k", "layers.q_bias", "layers.k_bias")
 
 
@@ -51,10 +61,15 @@ def gguf_name(name: str, layer: int | None) -> str:
 # ------------------------------------------------------------------------------------ metadata
 def _check(cfg: ModelConfig) -> None:
     """Refuse what gguf_model_config would read back differently."""
-    if cfg.is_moe:
-        raise ExportError(f"{cfg.arch}: GGUF export of mixture-of-experts models is not supported")
     gemma = cfg.arch.startswith("gemma")
     bad = []
+    if cfg.arch == "qwen2_moe" and not cfg.shared_expert_size:
+        bad.append("a Qwen2-MoE without its shared expert (llama.cpp's qwen2moe requires one)")
+    if cfg.shared_expert_size and cfg.arch != "qwen2_moe":
+        bad.append("a shared expert")
+    if cfg.arch == "mixtral" and cfg.intermediate_size != cfg.moe_intermediate_size:
+        # a llama file's experts are feed_forward_length wide
+        bad.append(f"intermediate_size {cfg.intermediate_size} != moe_intermediate_size {cfg.moe_intermediate_size}")
     if cfg.hidden_act != ("gelu_tanh" if gemma else "silu"):
         bad.append(f"hidden_act {cfg.hidden_act}")
     if not math.isclose(cfg.embed_scale, math.sqrt(cfg.hidden_size) if gemma else 1.0):
@@ -124,6 +139,8 @@ def _model_metadata(w, cfg: ModelConfig) -> None:
         if rs.rope_type == "yarn":
             w.add_rope_scaling_yarn_beta_fast(rs.beta_fast)
             w.add_rope_scaling_yarn_beta_slow(rs.beta_slow)
+    if cfg.is_moe:
+        _moe_metadata(w, cfg)
     if cfg.arch.startswith("gemma"):
         if "sliding" in cfg.layer_types:
             w.add_sliding_window(int(cfg.sliding_window))
@@ -133,6 +150,25 @@ def _model_metadata(w, cfg: ModelConfig) -> None:
                 w.add_attn_logit_softcapping(cfg.attn_logit_softcap)
             if cfg.final_logit_softcap:
                 w.add_final_logit_softcapping(cfg.final_logit_softcap)
+
+
+def _moe_metadata(w, cfg: ModelConfig) -> None:
+    """The expert keys llama.cpp's converter writes (and gguf_model_config reads back)."""
+    from jaxserve.loader.gguf_loader import MOE_NORM_W
+
+    arch = GGUF_ARCH[cfg.arch]
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.experts_per_token)
+    if arch != "llama":  # (Mixtral's experts are feed_forward_length wide)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.shared_expert_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_size)
+    if cfg.norm_topk_prob != MOE_NORM_W[arch]:
+        # our loader follows the key; llama.cpp's graph hard-codes the arch's choice and ignores it
+        log.warning("%s with norm_topk_prob=%s: written as %s.expert_weights_norm, which llama.cpp ignores "
+                    "(it %s the top-k router weights of %s files)", cfg.arch, cfg.norm_topk_prob, arch,
+                    "renormalizes" if MOE_NORM_W[arch] else "does not renormalize", arch)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
 
 
 def _pre_name(pt: dict | None, has_merges: bool) -> str:
@@ -229,10 +265,10 @@ def _copy_tokenizer_fields(w, readers) -> None:
 
 
 # -------------------------------------------------------------------------------------- tensors
-def _ggml_type(shape: tuple[int, ...], dtype: str):
+def _ggml_type(shape: tuple[int, ...], dtype: str, name: str = ""):
     from gguf import GGMLQuantizationType as T
 
-    if len(shape) == 1 or dtype == "f32":
+    if len(shape) == 1 or dtype == "f32" or name in _F32:
         return T.F32
     if dtype == "q8_0" and shape[-1] % 32:
         log.warning("row length %d is not a multiple of 32: stored as F16 instead of Q8_0", shape[-1])
@@ -267,12 +303,25 @@ def _gguf_layout(name: str, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """Canonical tensor -> GGUF numpy layout ([out, in] rows; llama q/k rows permuted)."""
     from jaxserve.loader.gguf_loader import unpermute_rows
 
-    if arr.ndim == 2 and name != "embed":
+    if name == "layers.shared_expert_gate":
+        return np.asarray(arr).reshape(-1)  # [D, 1] -> the converter's squeezed [D]
+    if arr.ndim == 3:  # experts [E, in, out] -> [E, out, in]
+        arr = np.swapaxes(arr, 1, 2)
+    elif arr.ndim == 2 and name != "embed":
         arr = arr.T
     if GGUF_ARCH[cfg.arch] == "llama" and name in _PERMUTED:
         heads = cfg.num_heads if name.startswith("layers.q") else cfg.num_kv_heads
         arr = np.asarray(arr)[np.argsort(unpermute_rows(arr.shape[0], heads))]
     return arr
+
+
+def _gguf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A canonical weight's shape in GGUF numpy order (what _gguf_layout produces)."""
+    if name == "layers.shared_expert_gate":
+        return shape[:1]
+    if len(shape) == 1 or name == "embed":
+        return shape
+    return (*shape[:-2], shape[-1], shape[-2])  # [out, in] rows; experts [E, out, in]
 
 
 def export_gguf(src, path: str | Path, dtype: str = "f16", name: str | None = None) -> Path:
@@ -314,8 +363,8 @@ def export_gguf(src, path: str | Path, dtype: str = "f16", name: str | None = No
     for n, i in order:
         spec = specs[n]
         shape = spec.shape[1:] if spec.stacked else spec.shape
-        shape = shape if len(shape) == 1 or n == "embed" else shape[::-1]  # numpy order [out, in]
-        plan[gguf_name(n, i)] = (shape, _ggml_type(shape, dtype))
+        shape = _gguf_shape(n, shape)
+        plan[gguf_name(n, i)] = (shape, _ggml_type(shape, dtype, n))
     offset = 0
     for key, (shape, t) in plan.items():
         nbytes = _nbytes(shape, t)
