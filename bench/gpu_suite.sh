@@ -9,7 +9,7 @@
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
-#                                               moe moe-kernels fused-ab kv-fp8
+#                                               moe moe-kernels fused-ab kv-fp8 moe-packed
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -57,6 +57,18 @@ for part in "$@"; do
                  timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
                    --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile 16 --json "$OUT/throughput.jsonl" \
                    2>&1 | grep -v "^  run" | tail -4 ;;
+    # Packed (quantized) MoE experts (session 17): the grouped quantized matmul's tests compiled on the
+    # GPU, per layer call at Qwen3-30B-A3B's shape (q4k, q8_0) against XLA's gather + dequantize, then
+    # the engine (q4k experts and attention, random codes) on XLA's path and on the kernel
+    moe-packed) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider \
+                  tests/test_moe_quant.py -k "grouped or kernel_path" 2>&1 | tail -8
+                timeout 200 python3 bench/moe_gpu.py --quant q4k 2>&1 | tail -12
+                timeout 150 python3 bench/moe_gpu.py --quant q8_0 --tokens 1 2>&1 | tail -6
+                for t in 0 16; do
+                  timeout 300 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --quant q4k \
+                    --runs 3 --workloads 1x128x256,32x1024x128 --moe-packed-kernel-max-tile $t \
+                    --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -3
+                done ;;
     # What XLA's GEMM autotuning costs at start-up and buys at run time (measured: RESULTS.md session 9)
     startup-noat) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 200 python3 bench/startup.py \
                --model random:llama-3.1-8b --cache-dir "/tmp/jaxserve-suite-cache-noat-$$" --runs cold \

@@ -11,8 +11,13 @@ MoE block (routing excluded; what `moe.tiled_experts` runs for a step of T token
    tiles (decode), T = 32 the 16-row sorted tiles moe.py picks for 256 pairs, plus the kernel on
    one-row tiles (each pair reads its expert again) for comparison.
 3. --profile: device time per kernel of one timed loop (which kernels an XLA call is made of).
+4. --quant FMT (q4k, q8_0, int4, ...): random packed expert stacks instead (bench/random_model.py):
+   XLA's path (the chosen experts gathered packed, then dequantized) against the grouped quantized
+   matmul (quant_matmul/pallas_triton.grouped_qmatmul), checked against the reference on the
+   dequantized weights; GB/s of the packed bytes the chosen experts hold.
 
     python3 bench/moe_gpu.py [--tokens 1,32] [--variant block_n=32,block_k=256 ...] [--profile] [--small]
+                             [--quant q4k]
 
 --small: tiny shapes in the interpreter (checks the script on CPU).
 """
@@ -43,6 +48,15 @@ def make_layer(key, E, D, F):
             "experts_down": draw(kd, (E, F, D))}
 
 
+def make_packed_layer(key, E, D, F, fmt):
+    from bench.random_model import random_qweight
+
+    kg, ku, kd = jax.random.split(key, 3)
+    return {"experts_gate": random_qweight(D, F, fmt, kg, batch=(E,)),
+            "experts_up": random_qweight(D, F, fmt, ku, batch=(E,)),
+            "experts_down": random_qweight(F, D, fmt, kd, batch=(E,))}
+
+
 def experts_fn(impl, tile, E, tuning):
     return lambda h, ids, wts, w: moe.tiled_experts(h, ids, wts, w, jax.nn.silu, E, tile, impl, "silu", **tuning)
 
@@ -63,13 +77,22 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--small", action="store_true", help="tiny shapes, the interpreter (checks the script on CPU)")
+    ap.add_argument("--quant", default=None, help="packed expert stacks of this format (random codes)")
     args = ap.parse_args()
-    E, k, D, F = (16, 4, 128, 96) if args.small else (128, 8, 2048, 768)
-    variants = args.variant or VARIANTS
-    print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}; E={E} k={k} D={D} F={F} bf16", flush=True)
+    E, k, D, F = (16, 4, 256, 256) if args.small else (128, 8, 2048, 768)
+    variants = args.variant or (["", "splits=1"] if args.quant else VARIANTS)
+    print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}; E={E} k={k} D={D} F={F} bf16 x, "
+          f"{args.quant or 'bf16'} experts", flush=True)
     key = jax.random.PRNGKey(0)
-    w = make_layer(key, E, D, F)
-    w32 = {n: a.astype(jnp.float32) for n, a in w.items()}
+    if args.quant:
+        from jaxserve.quant.qweight import dequantize
+
+        w = make_packed_layer(key, E, D, F, args.quant)
+        w32 = {n: dequantize(a) for n, a in w.items()}
+    else:
+        w = make_layer(key, E, D, F)
+        w32 = {n: a.astype(jnp.float32) for n, a in w.items()}
+    expert_bytes = sum(a.nbytes for a in jax.tree.leaves(w)) / E  # one expert's three projections
     rows = ["| T | pairs | tile | impl | variant | rel err | us/call | GB/s |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for T in (int(t) for t in args.tokens.split(",")):
@@ -80,9 +103,9 @@ def main():
         tile = moe._tile(T * k)
         with jax.default_matmul_precision("highest"):
             want = np.asarray(jax.jit(experts_fn("reference", tile, E, {}))(h, ids, wts, w32))
-        nbytes = len(np.unique(np.asarray(ids))) * 3 * D * F * 2
+        nbytes = len(np.unique(np.asarray(ids))) * expert_bytes
         n_iter = args.iters or (2 if args.small else 200 if T * k <= 64 else 40)
-        runs = [("xla", tile, ""), ("reference", tile, "")]
+        runs = [("xla", tile, "")] + ([] if args.quant else [("reference", tile, "")])
         runs += [("pallas_triton", tile, v) for v in variants if not (tile > 1 and "mode=fma" in v)]
         if tile > 1:
             runs.append(("pallas_triton", 1, variants[0]))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import jax
 
 
-def random_qweight(K: int, N: int, fmt: str, key):
-    """A packed [K, N] weight with random codes and small random scales, built on the device (only
-    the layout matters for speed). Leaf row counts and dtypes come from quantizing a [K, 8] sample."""
+def random_qweight(K: int, N: int, fmt: str, key, batch: tuple[int, ...] = ()):
+    """A packed [*batch, K, N] weight (batch: e.g. (E,) for a MoE layer's experts) with random codes and
+    small random scales, built on the device (only the layout matters for speed). Leaf row counts and
+    dtypes come from quantizing a [K, 8] sample."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -25,7 +26,7 @@ def random_qweight(K: int, N: int, fmt: str, key):
         if a.ndim == 0:  # a per-tensor scale (NVFP4's gscale)
             arrays[name] = jnp.asarray(a)
             continue
-        shape = (a.shape[0], N)
+        shape = (*batch, a.shape[0], N)
         if np.issubdtype(a.dtype, np.integer):
             lo, hi = 0, 64 if name in ("sc", "mn") else 256  # 6-bit sub-scales stay in range
             if tmpl.meta.code == "e4m3" and name.startswith("q"):
@@ -36,8 +37,8 @@ def random_qweight(K: int, N: int, fmt: str, key):
                 lo, hi = 0x20, 0x38  # 0.125 .. 1, times gscale
             arrays[name] = jax.random.randint(k, shape, lo, hi, jnp.int32).astype(a.dtype)
         elif fmt == "fp8":  # one scale per 128 x 128 block, repeated over its columns, as checkpoints hold them
-            blocks = jax.random.uniform(k, (a.shape[0], -(-N // 128)), jnp.float32, 1e-3, 4e-3)
-            arrays[name] = jnp.repeat(blocks, 128, axis=1)[:, :N].astype(a.dtype)
+            blocks = jax.random.uniform(k, (*batch, a.shape[0], -(-N // 128)), jnp.float32, 1e-3, 4e-3)
+            arrays[name] = jnp.repeat(blocks, 128, axis=-1)[..., :N].astype(a.dtype)
         else:
             arrays[name] = (jax.random.uniform(k, shape, jnp.float32, 1e-3, 4e-3)).astype(a.dtype)
     return QWeight(dataclasses.replace(tmpl.meta, N=N), arrays)
@@ -66,13 +67,14 @@ def float_code_template(K: int, fmt: str):
 
 def random_packed_layers(cfg, fmt: str, dtype="bfloat16", seed: int = 0, head_fmt: str | None = None):
     """Random weights with every matmul packed in `fmt` (the LM head in `head_fmt`, default fmt) as the
-    runner's per-layer list; norms and the embedding table dense."""
+    runner's per-layer list; norms, the embedding table and a MoE router dense (as ISQ leaves them)."""
     import dataclasses
 
     import jax.numpy as jnp
 
     from jaxserve.loader.materialize import random_weights
     from jaxserve.models.weights import weight_specs
+    from jaxserve.quant.stream import ISQ_EXPERTS, ISQ_WEIGHTS
 
     key = jax.random.PRNGKey(seed)
     specs = weight_specs(cfg)
@@ -85,9 +87,9 @@ def random_packed_layers(cfg, fmt: str, dtype="bfloat16", seed: int = 0, head_fm
             if not name.startswith("layers."):
                 continue
             short = name.split(".", 1)[1]
-            if len(spec.shape) == 3:
-                layer[short] = random_qweight(spec.shape[1], spec.shape[2], fmt,
-                                              jax.random.fold_in(key, 1000 * i + len(layer)))
+            if name in ISQ_WEIGHTS | ISQ_EXPERTS:  # [L, (E,) K, N]
+                layer[short] = random_qweight(spec.shape[-2], spec.shape[-1], fmt,
+                                              jax.random.fold_in(key, 1000 * i + len(layer)), batch=spec.shape[1:-2])
             else:
                 layer[short] = dense["layers"][short][0]
         layers.append(layer)

@@ -100,6 +100,9 @@ def main(argv=None):
     ap.add_argument("--moe-kernel-max-tile", type=int, default=None,
                     help="MoE models: tiles of up to this many rows through the in-place expert kernels "
                          "(models/moe.KERNEL_MAX_TILE, read when programs trace; 0 = XLA's path)")
+    ap.add_argument("--moe-packed-kernel-max-tile", type=int, default=None,
+                    help="MoE models with --quant: tiles of up to this many rows through the grouped quantized "
+                         "matmul (models/moe.PACKED_KERNEL_MAX_TILE; 0 = XLA's gather + dequantize)")
     ap.add_argument("--tokens-digest", action="store_true",
                     help="print a digest of each engine's greedy tokens on 4 fixed prompts (x 16 tokens), to "
                          "compare runs of other processes (e.g. other XLA_FLAGS) on the same seeded weights")
@@ -123,6 +126,10 @@ def main(argv=None):
         from jaxserve.models import moe
 
         moe.KERNEL_MAX_TILE = args.moe_kernel_max_tile  # a module setting: part of the program store's key
+    if args.moe_packed_kernel_max_tile is not None:
+        from jaxserve.models import moe
+
+        moe.PACKED_KERNEL_MAX_TILE = args.moe_packed_kernel_max_tile
     wls = parse_workloads(args.workloads)
     ks = [int(k) for k in str(args.decode_steps).split(",")]
     dev = jax.devices()[0]

@@ -156,3 +156,39 @@ def test_int8_activation_copies_skip_expert_stacks():
     out = pallas_dp4a.attach({"layers": [packed]})["layers"][0]
     assert pallas_dp4a.COPY in out["shared_up"].arrays
     assert all(pallas_dp4a.COPY not in out[n].arrays for n in EXPERTS)
+
+
+# ------------------------------------------------- the grouped quantized matmul (Pallas, interpreted)
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5k", "q6k", "q3k", "q2k", "q8_0"])
+def test_grouped_qmatmul_matches_the_dequantized_experts(fmt):
+    """grouped_qmatmul (quant_matmul/pallas_triton, interpreted on CPU): each group of rows through its
+    expert's packed weights = x @ dequantize(expert); groups past live_groups are skipped."""
+    from jaxserve.kernels.quant_matmul.pallas_triton import grouped_qmatmul, grouped_supports
+
+    rng = np.random.default_rng(len(fmt))
+    E, K, N = 4, 256, 48
+    qw = stack([quantize(rng.standard_normal((K, N)).astype(np.float32), fmt) for _ in range(E)])
+    W = np.asarray(dequantize(qw))
+    for R, G in ((1, 6), (16, 3)):
+        assert grouped_supports(qw, R)
+        x = rng.standard_normal((G * R, K)).astype(np.float32)
+        g = rng.integers(0, E, G).astype(np.int32)
+        y = np.asarray(grouped_qmatmul(jnp.asarray(x), qw, jnp.asarray(g), live_groups=jnp.asarray([G - 1])))
+        live = (G - 1) * R
+        want = np.concatenate([x[i * R:(i + 1) * R] @ W[g[i]] for i in range(G)])[:live]
+        np.testing.assert_allclose(y[:live], want, atol=1e-4 * np.abs(want).max(), rtol=1e-4)
+    assert not grouped_supports(qw, 3) and not grouped_supports(qw[0], 1)
+
+
+@pytest.mark.parametrize("experts,k,tokens", [(8, 2, 3), (8, 2, 40), (32, 4, 30)])
+def test_packed_kernel_path_of_moe_mlp(experts, k, tokens):
+    """moe_mlp with the packed kernel (impl='pallas_triton', interpreted): decode one-row tiles,
+    16-row sorted tiles, and the few-experts-many-pairs case (16-row tiles instead of every expert)
+    compute the XLA path's function."""
+    cfg = _cfg(experts, k)
+    packed, deq = _layer(experts, "q4k", seed=experts * tokens)
+    h = np.random.default_rng(tokens).standard_normal((tokens, D)).astype(np.float32)
+    want = _run(cfg, h, deq)
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(lambda x, w: moe.moe_mlp(cfg, x, w, jax.nn.silu, impl="pallas_triton"))(h, packed))
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)

@@ -45,6 +45,10 @@ from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize, leaf_names
 # measured on a GPU (none was lent after it was written, session 16): `bench/gpu_suite.sh moe-kernels`
 # checks and times it, `bench/throughput.py --moe-kernel-max-tile 16` runs the engine with it.
 KERNEL_MAX_TILE = 0
+# The same for packed (quantized) expert stacks and their kernel (quant_matmul.pallas_triton's
+# grouped_qmatmul: 'fma' one-row tiles, 'dot' 16-64-row tiles). 0 until measured on a GPU (written in
+# session 17 without one): `bench/gpu_suite.sh moe-packed` checks and times it.
+PACKED_KERNEL_MAX_TILE = 0
 
 
 def route(cfg: ModelConfig, h, router):
@@ -63,13 +67,15 @@ def _tile(pairs: int) -> int:
     return 1 if pairs <= 64 else 16 if pairs <= 1024 else 64 if pairs <= 16384 else 256
 
 
-def experts_impl(impl: str | None, tile: int) -> str:
+def experts_impl(impl: str | None, tile: int, packed: bool = False) -> str:
     """The expert path of tiles of `tile` rows: 'xla' (gathered weights, batched matmuls) or a
-    kernels/moe_gemv implementation. None: the Pallas kernel on a GPU for tiles of up to
-    KERNEL_MAX_TILE rows, else XLA (decided when the step is traced)."""
+    kernels/moe_gemv implementation (packed experts: the grouped quantized matmul). None: the Pallas
+    kernel on a GPU for tiles of up to KERNEL_MAX_TILE (packed: PACKED_KERNEL_MAX_TILE) rows, else XLA
+    (decided when the step is traced)."""
     if impl is None:
         on_gpu = moe_gemv.default_for(jax.default_backend()) == "pallas_triton"
-        return "pallas_triton" if on_gpu and tile <= KERNEL_MAX_TILE else "xla"  # (read when traced)
+        limit = PACKED_KERNEL_MAX_TILE if packed else KERNEL_MAX_TILE  # (read when traced)
+        return "pallas_triton" if on_gpu and tile <= limit else "xla"
     if impl != "xla" and impl not in moe_gemv.IMPLEMENTATIONS:
         raise ValueError(f"unknown MoE expert path {impl!r}; known: xla, {', '.join(moe_gemv.IMPLEMENTATIONS)}")
     return impl
@@ -85,11 +91,16 @@ def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None
     ids, weights = route(cfg, h, w["router"])
     dt = h.dtype
     P = T * K
+    packed = isinstance(w["experts_gate"], QWeight)
     if E <= 16 and P > 4 * E:
-        out = _all_experts(h, ids, weights, w, act, E)
+        # packed experts on their kernel: 16-row sorted tiles read each used expert about once
+        if packed and experts_impl(impl, 16, packed) != "xla":
+            out = tiled_experts(h, ids, weights, w, act, E, 16, experts_impl(impl, 16, packed), cfg.hidden_act)
+        else:
+            out = _all_experts(h, ids, weights, w, act, E)
     else:
         tile = _tile(P)
-        out = tiled_experts(h, ids, weights, w, act, E, tile, experts_impl(impl, tile), cfg.hidden_act)
+        out = tiled_experts(h, ids, weights, w, act, E, tile, experts_impl(impl, tile, packed), cfg.hidden_act)
     if cfg.shared_expert_size:
         from jaxserve.models.transformer import linear  # (transformer imports this module)
 
@@ -153,12 +164,35 @@ def _native_proj(x, w, idx):
 def tiled_experts(h, ids, weights, w, act, E, tile, impl="xla", act_name="silu", **tuning):
     """[T, D] f32: the chosen experts' outputs weighted and added, by `impl` (experts_impl; the kernel
     path falls back to XLA for shapes it does not take). tuning: the kernel's keyword arguments."""
-    if impl != "xla":
+    names = ("experts_gate", "experts_up", "experts_down")
+    if impl != "xla" and isinstance(w["experts_gate"], QWeight):
+        from jaxserve.kernels.quant_matmul import pallas_triton as qmm_triton
+
+        if impl == "pallas_triton" and all(qmm_triton.grouped_supports(w[n], tile) for n in names):
+            return _packed_kernel_experts(qmm_triton.grouped_qmatmul, h, ids, weights, w, act, E, tile, tuning)
+    elif impl != "xla":
         kernel = moe_gemv.get(impl)
-        names = ("experts_gate", "experts_up", "experts_down")
         if all(kernel.supports(h.dtype, w[n], tile) for n in names):
             return _kernel_experts(kernel, h, ids, weights, w, act_name, E, tile, tuning)
     return _tiled_experts(h, ids, weights, w, act, E, tile)
+
+
+def _packed_kernel_experts(grouped, h, ids, weights, w, act, E, tile, tuning):
+    """Packed expert stacks through the grouped quantized matmul: the tile's input rows are gathered
+    (activations: small), each tile's expert weights read packed in place."""
+    dt = h.dtype
+    if tile == 1:  # decode: one row per (token, choice), nothing sorted
+        row_token, tile_expert = moe_gemv.pair_layout(ids)
+        x, live = h[row_token], None
+    else:
+        order, token, dest, tile_expert, live = _sorted_tiles(ids, E, tile)
+        x = jnp.zeros((tile_expert.shape[0] * tile, h.shape[1]), dt).at[dest].set(h[token])
+    mm = lambda a, name: grouped(a, w[name], tile_expert, live_groups=live, **tuning)
+    a = (act(mm(x, "experts_gate")) * mm(x, "experts_up")).astype(dt)
+    y = mm(a, "experts_down")
+    if tile == 1:
+        return moe_gemv.combine_pairs(y, weights)
+    return jnp.zeros(h.shape, jnp.float32).at[token].add(y[dest] * weights.reshape(-1)[order][:, None])
 
 
 def _kernel_experts(kernel, h, ids, weights, w, act_name, E, tile, tuning):

@@ -175,11 +175,23 @@ def _step(refs, layer, x_ref, r0, acc, *, meta: QMeta, m0, bm, cols, mode, wdt):
     return acc
 
 
-def _kernel(layer_ref, x_ref, *refs, names, meta, bm, bn, N, u, per, nblk, mode, wdt, col_mask):
+def _kernel(layer_ref, x_ref, *refs, names, meta, bm, bn, N, u, per, nblk, mode, wdt, col_mask, groups=0):
+    """groups > 0: the grouped matmul (grouped_qmatmul): M tile im is one group of rows through stack
+    entry layer_ref[im]; layer_ref[groups] is the number of live groups (the rest are skipped)."""
     o_ref = refs[-1]
     refs = dict(zip(names, refs[:-1]))
     im, jn, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
+    if groups:
+        pl.when(im < layer_ref[groups])(lambda: _tile(layer_ref[im], x_ref, refs, o_ref, im, jn, ks, meta=meta,
+                                                      bm=bm, bn=bn, N=N, u=u, per=per, nblk=nblk, mode=mode,
+                                                      wdt=wdt, col_mask=col_mask))
+    else:
+        _tile(layer_ref[0], x_ref, refs, o_ref, im, jn, ks, meta=meta, bm=bm, bn=bn, N=N, u=u, per=per, nblk=nblk,
+              mode=mode, wdt=wdt, col_mask=col_mask)
+
+
+def _tile(layer, x_ref, refs, o_ref, im, jn, ks, *, meta, bm, bn, N, u, per, nblk, mode, wdt, col_mask):
+    """Output tile (im, jn) of K split ks, through stack entry `layer` of the weight."""
     n0 = jn * bn
     cols = jnp.minimum(n0 + jnp.arange(bn), N - 1) if col_mask else pl.ds(n0, bn)
     m0 = im * bm
@@ -357,3 +369,59 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_m=None, block_n=None, block_k=N
 # consumers adding 'bdot's partials made the step slower, 191.2 vs 209.9 tok/s (bench/RESULTS.md,
 # session 6). split_out=True still works when a caller asks.
 qmatmul.takes_split_out = False
+
+
+# ------------------------------------------------------------------------------ grouped (MoE experts)
+def grouped_supports(qw, rows_per_group: int) -> bool:
+    """What grouped_qmatmul takes: a QWeight stack [E, K, N] of integer or float codes in the plane
+    layout (not FP8's transposed codes, no per-tensor gscale), groups of 1 row ('fma') or 16/32/64
+    rows ('dot')."""
+    R = rows_per_group
+    return (isinstance(qw, QWeight) and len(qw.batch_shape) == 1 and KN_CODES not in qw.arrays
+            and not qw.meta.gscale and (R == 1 or R in (16, 32, 64)))
+
+
+def grouped_qmatmul(x, qw: QWeight, groups, *, live_groups=None, block_n=None, block_k=None, splits=None,
+                    num_warps=None, num_stages=None, interpret=None):
+    """Rows of x [G * R, K] in G groups of R consecutive rows, group g through stack entry groups[g] of
+    qw [E, K, N] -> [G * R, N] f32: the experts of a MoE layer read packed, in place (the same
+    dequantizing step as qmatmul, its stack index per M tile instead of one per call). R = 1: 'fma'
+    (decode: one row per token and choice); R = 16/32/64: 'dot' (sorted prompt tiles). live_groups
+    (int32 [1]): groups from this index on are skipped, their rows left undefined."""
+    meta = qw.meta
+    G = groups.shape[0]
+    rows, K = x.shape
+    R = rows // G if G else 0
+    if not grouped_supports(qw, R) or rows != G * R or K != meta.K:
+        raise ValueError(f"grouped_qmatmul: x {x.shape} in {G} groups through {qw!r} is not supported")
+    if interpret is None:
+        interpret = _on_cpu()
+    mode = "fma" if R == 1 else "dot"
+    p = plan(meta, R, mode=mode, block_m=R, block_n=block_n, block_k=block_k, splits=1, num_warps=num_warps)
+    bm, bn, Np, nblk = p["bm"], p["bn"], p["Np"], p["nblk"]
+    if splits is None:  # as plan: enough programs in flight, here over all groups' tiles
+        target, tiles = (12 if mode == "fma" else 6) * NUM_SMS, G * (Np // bn)
+        splits = 1 if tiles >= target else min(_pow2(-(-target // tiles)), nblk, 64)
+    per = -(-nblk // max(1, min(int(splits), nblk)))
+    splits = -(-nblk // per)
+    names = leaf_names(meta)
+    leaves = [jnp.asarray(qw.arrays[n]) for n in names]
+    live = jnp.full((1,), G, jnp.int32) if live_groups is None else jnp.asarray(live_groups, jnp.int32).reshape(1)
+    index = jnp.concatenate([groups.astype(jnp.int32), live])
+    wdt = jnp.float32 if x.dtype == jnp.float32 else x.dtype
+    xp = jnp.pad(x.astype(wdt), ((0, 0), (0, meta.Kp - K)))
+    kernel = functools.partial(_kernel, names=names, meta=meta, bm=bm, bn=bn, N=meta.N, u=p["u"], per=per,
+                               nblk=nblk, mode=mode, wdt=wdt, col_mask=meta.N % bn != 0, groups=G)
+    full = pl.BlockSpec()
+    out = pl.pallas_call(
+        kernel,
+        grid=(G, Np // bn, splits),
+        in_specs=[full] * (2 + len(leaves)),
+        out_specs=pl.BlockSpec((None, bm, bn), lambda i, j, k: (k, i, j)),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, Np), jnp.float32),
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(p["num_warps"], num_stages or 2),
+        name=f"grouped_qmatmul_{meta.fmt}_{mode}_r{R}_n{bn}_k{p['u'] * meta.step}_s{splits}",
+    )(index, xp, *leaves)
+    y = out[0] if splits == 1 else jnp.sum(out, axis=0)
+    return y[:, :meta.N]
