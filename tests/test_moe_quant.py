@@ -192,3 +192,20 @@ def test_packed_kernel_path_of_moe_mlp(experts, k, tokens):
     with jax.default_matmul_precision("highest"):
         got = np.asarray(jax.jit(lambda x, w: moe.moe_mlp(cfg, x, w, jax.nn.silu, impl="pallas_triton"))(h, packed))
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_padding_tokens_are_parked_on_real_experts():
+    """moe_mlp(valid=...): padding tokens use only experts a real token chose (no extra expert read)
+    and the real tokens' outputs do not change."""
+    experts, k, tokens = 32, 4, 12
+    cfg = _cfg(experts, k)
+    _, deq = _layer(experts, "q8_0", seed=5)
+    h = np.random.default_rng(3).standard_normal((tokens, D)).astype(np.float32)
+    valid = np.arange(tokens) % 3 != 0  # token 0 is padding too: the first real one is token 1
+    ids, weights = moe.route(cfg, jnp.asarray(h), deq["router"])
+    pid, pw = (np.asarray(a) for a in moe.park_padding(ids, weights, jnp.asarray(valid)))
+    assert set(pid[~valid].ravel()) <= set(np.asarray(ids)[valid].ravel())
+    assert np.all(pw[~valid] == 0) and np.array_equal(pid[valid], np.asarray(ids)[valid])
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(lambda x, w, v: moe.moe_mlp(cfg, x, w, jax.nn.silu, valid=v))(h, deq, valid))
+    np.testing.assert_allclose(got[valid], _run(cfg, h, deq)[valid], atol=1e-5, rtol=1e-5)

@@ -75,6 +75,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     batch = {k: inp[k] for k in ("token_ids", "positions", "token_seq", "block_tables")}
     batch["slots"] = _slots(batch, block_size)
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
+    if cfg.is_moe:  # padding tokens (the dummy sequence) are not routed to experts of their own
+        batch["moe_valid"] = inp["token_seq"] < inp["rows"].shape[0]
     hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                        scan_layers=scan_layers, attention=attention, add_norm=add_norm,
                                        rope_kv=rope_kv, qmm=qmm, moe_impl=moe_impl)
@@ -129,6 +131,8 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
         batch = {"token_ids": tokens, "positions": positions, "token_seq": token_seq,
                  "block_tables": inp["block_tables"]}
         batch["slots"] = _slots(batch, block_size)
+        if cfg.is_moe:  # padding rows (the dummy row) are not routed to experts of their own
+            batch["moe_valid"] = inp["rows"] < state["out_counts"].shape[0] - 1
         hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                            scan_layers=scan_layers, attention=attention,
                                            add_norm=add_norm, rope_kv=rope_kv, qmm=qmm,

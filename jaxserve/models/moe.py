@@ -61,6 +61,15 @@ def route(cfg: ModelConfig, h, router):
     return ids.astype(jnp.int32), weights
 
 
+def park_padding(ids, weights, valid):
+    """Padding tokens (valid False: bucket padding, empty rows) take the first real token's experts
+    with weight 0: their outputs are dropped anyway, and choices of their own would make the step
+    read (gather) experts no real token uses."""
+    first = jnp.argmax(valid)
+    ids = jnp.where(valid[:, None], ids, ids[first][None, :])
+    return ids, jnp.where(valid[:, None], weights, 0.0)
+
+
 def _tile(pairs: int) -> int:
     """Rows per tile for this many (token, expert) pairs: 1 for decode-sized steps (only the chosen
     experts' weights are gathered), larger for prompt chunks (fewer gathered weight copies)."""
@@ -81,14 +90,18 @@ def experts_impl(impl: str | None, tile: int, packed: bool = False) -> str:
     return impl
 
 
-def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None, qmm: Callable | None = None):
+def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None, qmm: Callable | None = None,
+            valid=None):
     """The MoE block's output [T, D] for the normed hidden states h [T, D]; w: one layer's weights
     (router [D, E], experts_gate / experts_up [E, D, F], experts_down [E, F, D], shared_* for Qwen2-MoE;
     experts and the shared expert may be packed). act: the activation (the kernel path applies
-    cfg.hidden_act itself); impl: see experts_impl; qmm: the shared expert's quantized matmul."""
+    cfg.hidden_act itself); impl: see experts_impl; qmm: the shared expert's quantized matmul.
+    valid (bool [T], optional): False for a step's padding tokens, see park_padding."""
     T, D = h.shape
     E, K = cfg.num_experts, cfg.experts_per_token
     ids, weights = route(cfg, h, w["router"])
+    if valid is not None:
+        ids, weights = park_padding(ids, weights, valid)
     dt = h.dtype
     P = T * K
     packed = isinstance(w["experts_gate"], QWeight)

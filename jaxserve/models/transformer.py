@@ -142,7 +142,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     down_split = split_sums and not cfg.sandwich_norms
     native_down = not cfg.is_moe and isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
     if cfg.is_moe:
-        m = moe.moe_mlp(cfg, h, w, lambda a: _act(cfg, a), impl=moe_impl, qmm=qmm)
+        m = moe.moe_mlp(cfg, h, w, lambda a: _act(cfg, a), impl=moe_impl, qmm=qmm, valid=batch.get("moe_valid"))
     elif "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
         # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
         m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
