@@ -34,8 +34,10 @@ def pooling_task(model: str | None, revision: str | None = None, task: str | Non
     then reports the problem."""
     from jaxserve.models import decoder_pooling
 
-    if task == "generate" or not model or model.startswith("random:") or model.endswith(".gguf"):
+    if task == "generate" or not model or model.startswith("random:"):
         return None
+    if model.endswith(".gguf"):
+        return "encoder" if _is_encoder_gguf(model) else None
     d = _config_dir(model, revision)
     if d is None:
         return None
@@ -44,6 +46,16 @@ def pooling_task(model: str | None, revision: str | None = None, task: str | Non
     if task in ("embed", "classify"):
         return task
     return decoder_pooling.pooling_task(d, hf_overrides)
+
+
+def _is_encoder_gguf(path: str) -> bool:
+    """A local GGUF file of llama.cpp's `bert` architecture (an embedding model)."""
+    from jaxserve.loader import gguf_encoder, gguf_loader
+
+    try:
+        return Path(path).expanduser().is_file() and gguf_encoder.is_encoder_gguf(gguf_loader.open_gguf(path))
+    except Exception:
+        return False  # not readable: the generative path reports it
 
 
 def _config_dir(model: str, revision: str | None) -> Path | None:
@@ -136,10 +148,11 @@ class EncoderTokenizer:
     chat_template = None
     bos_token = eos_token = None
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | None = None, backend=None):
+        """path: a tokenizer.json; or backend: a `tokenizers.Tokenizer` (a GGUF file's, loader/gguf_encoder)."""
         from tokenizers import Tokenizer
 
-        self.backend = Tokenizer.from_file(str(path))
+        self.backend = backend if backend is not None else Tokenizer.from_file(str(path))
         self.backend.no_padding()
         self.backend.no_truncation()
         self._pairs = None  # (max_len, a copy of the tokenizer that truncates pairs' second text)
@@ -198,6 +211,9 @@ class EmbeddingEngine:
 
         t0 = time.perf_counter()
         res = source.resolve_model(model, revision=revision)
+        if res.kind == "gguf":  # llama.cpp's `bert` files (loader/gguf_encoder)
+            self._from_gguf(model, res, dtype, max_batch_tokens, max_model_len, warmup, hf_overrides, t0)
+            return
         d = res.model_dir
         tok_file = (res.tokenizer_dir or d) / "tokenizer.json"
         if not tok_file.is_file():
@@ -226,6 +242,23 @@ class EmbeddingEngine:
             weights = decoder_pooling.load_weights(d, self.cfg, dtype, tokenizer.backend.token_to_id)
             forward = decoder_pooling.embed
         self._setup(model, tokenizer, weights, max_batch_tokens, t0, warmup, forward)
+
+    def _from_gguf(self, model, res, dtype, max_batch_tokens, max_model_len, warmup, hf_overrides, t0) -> None:
+        from jaxserve.loader import gguf_encoder, gguf_loader
+
+        if hf_overrides:
+            raise ValueError("hf_overrides apply to decoder models only")
+        readers = gguf_loader.open_gguf(res.paths[0])
+        if not gguf_encoder.is_encoder_gguf(readers):
+            raise bert.EncoderConfigError(f"{model}: a GGUF embedding model must be llama.cpp's 'bert' architecture")
+        self.cfg = gguf_encoder.encoder_config(readers)
+        if max_model_len is not None:
+            if max_model_len > self.cfg.max_seq_len:
+                raise ValueError(f"max_model_len {max_model_len} exceeds the model's {self.cfg.max_seq_len} tokens")
+            self.cfg = dataclasses.replace(self.cfg, max_seq_len=int(max_model_len))
+        tokenizer = EncoderTokenizer(backend=gguf_encoder.tokenizer(readers))
+        weights = gguf_encoder.load_weights(readers, self.cfg, np.dtype(dtype))
+        self._setup(model, tokenizer, weights, max_batch_tokens, t0, warmup, bert.embed)
 
     @classmethod
     def random(cls, preset: str, *, dtype: str = "float32", max_batch_tokens: int = 8192,

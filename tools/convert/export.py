@@ -6,7 +6,8 @@
 gguf: llama-family models (Llama, Mistral, SmolLM2, Qwen2/3), Gemma 2/3 and the mixture-of-experts
 Mixtral, Qwen2-MoE and Qwen3-MoE whose settings the GGUF keys can carry; tensors F32/F16/BF16 or Q8_0
 (norms and MoE routers stay F32); tokenizer from a byte-level BPE
-tokenizer (or copied from a GGUF source). safetensors: config.json, [out, in] weights under HF names,
+tokenizer (or copied from a GGUF source); BERT embedding models (F32/F16/Q8_0, llama.cpp's `bert`
+architecture: tools/convert/gguf_encoder_export.py). safetensors: config.json, [out, in] weights under HF names,
 tokenizer files: a directory transformers loads with from_pretrained. A quantized source (a jaxserve
 checkpoint, a quantized GGUF) is written dequantized. Weights stream tensor by tensor.
 """
@@ -104,6 +105,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from tools.convert.gguf_export import ExportError, export_gguf
 
+    from jaxserve.loader.source import resolve_model
+    from jaxserve.models import bert
+
+    res = resolve_model(args.model, file=args.file, revision=args.revision)
+    if res.kind != "gguf" and bert.is_encoder_dir(res.model_dir):  # a BERT embedding model
+        if args.format != "gguf":
+            print("error: an encoder model exports to --format gguf only", file=sys.stderr)
+            return 2
+        from tools.convert.gguf_encoder_export import export_encoder_gguf
+
+        try:
+            export_encoder_gguf(res.model_dir, out, dtype, name=Path(args.model).name)
+        except (ConfigError, ExportError, bert.EncoderConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {out}")
+        return 0
     src = open_model(args.model, file=args.file, revision=args.revision, packed=False)
     try:
         if args.format == "gguf":

@@ -116,14 +116,20 @@ def _llama3_freqs(cfg: ModelConfig) -> np.ndarray:
                              1 / ((1 - smooth) / rs.factor + smooth))).astype(np.float32)
 
 
+def add_shape_metadata(w, *, blocks: int, context: int, embedding: int, feed_forward: int, heads: int) -> None:
+    """The {arch}.* size keys every architecture has (decoders here, BERT in gguf_encoder_export)."""
+    w.add_block_count(blocks)
+    w.add_context_length(context)
+    w.add_embedding_length(embedding)
+    w.add_feed_forward_length(feed_forward)
+    w.add_head_count(heads)
+
+
 def _model_metadata(w, cfg: ModelConfig) -> None:
     import gguf
 
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
+    add_shape_metadata(w, blocks=cfg.num_layers, context=cfg.max_position_embeddings, embedding=cfg.hidden_size,
+                       feed_forward=cfg.intermediate_size, heads=cfg.num_heads)
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
