@@ -16,6 +16,7 @@ those comparisons are skipped when the package is missing.
 import json
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -500,7 +501,7 @@ def test_unsupported_quantization_configs_fail_at_config(tmp_path, qc, match):
 
 # ------------------------------------------------------------------- mixture-of-experts checkpoints
 @pytest.mark.parametrize("fmt", ["gptq4_v1_g32", "awq_g64", "fp8_32x64"])
-def test_moe_checkpoint_experts_load_packed(tmp_path, fmt):
+def test_moe_checkpoint_experts_load_packed(tmp_path, fmt, monkeypatch):
     """A Qwen3-MoE with every expert's projections quantized (as GPTQ/AutoAWQ/FP8 quantizers write
     MoE models: one quantized module per expert; the router stays float): each layer's experts load
     as one stacked QWeight [E, K, N] whose dequantization is the independent numpy one bit for bit,
@@ -510,13 +511,16 @@ def test_moe_checkpoint_experts_load_packed(tmp_path, fmt):
     from jaxserve.quant.qweight import QWeight, dequantize
 
     src = add_byte_tokenizer(make_tiny_model("qwen3_moe", tmp_path / "src"))
+    # the router (`mlp.gate`) quantized too, as llm-compressor does unless told not to: loaded dense
+    monkeypatch.setattr(sys.modules[__name__], "LINEAR", LINEAR + ("gate",))
     d, refs = make_checkpoint(src, tmp_path / fmt, fmt)
     cfg = model_config_from_dir(d)
     packed = {(n, i): a for n, i, a in iter_safetensors_tensors(d, cfg, packed=True)}
     dense = {(n, i): a for n, i, a in iter_safetensors_tensors(d, cfg, packed=False)}
     proj = {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}
     for layer in range(cfg.num_layers):
-        assert not isinstance(packed[("layers.router", layer)], QWeight)
+        router = refs[f"model.layers.{layer}.mlp.gate.weight"].T  # its exact dequantized value, dense
+        assert np.array_equal(packed[("layers.router", layer)], router)
         for canon, hf in proj.items():
             want = np.stack([refs[f"model.layers.{layer}.mlp.experts.{e}.{hf}.weight"].T
                              for e in range(cfg.num_experts)])

@@ -9,8 +9,10 @@ What llama.cpp's converter writes for a BERT checkpoint and how it is read back 
              layer_output_norm}.{weight, bias}; matrices stored [out, in] like every GGUF
   vocabulary WordPiece in "phantom space" spelling: a word-initial piece gains U+2581, a continuation
              loses its "##", control tokens ([CLS], [SEP], ...) stay as they are. The inverse gives
-             back the HF vocabulary; the tokenizer is BERT's (lower-casing, accent stripping, punctuation
-             and CJK split, as llama.cpp's WPM tokenizer does) with [CLS] ... [SEP] around each input.
+             back the HF vocabulary; the tokenizer is the original uncased BERT one (lower-casing,
+             accent stripping, punctuation and CJK split, [CLS] ... [SEP] around each input). llama.cpp's
+             WPM tokenizer differs on accented words (it keeps the combining marks: [UNK]) and on
+             words over 100 characters (no [UNK] limit); we follow the model, not llama.cpp.
 Sequence-classification heads (rerankers: `cls`, `cls.output`) are refused by name.
 """
 
@@ -116,13 +118,15 @@ def hf_vocab(tokens: list[str], types: list[int] | None) -> list[str]:
 
 
 def phantom_vocab(vocab: list[str], control: set[int]) -> list[str]:
-    """The inverse of hf_vocab: how llama.cpp's converter spells an HF WordPiece vocabulary."""
+    """The inverse of hf_vocab: how llama.cpp's converter spells an HF WordPiece vocabulary (it keeps
+    some non-control bracketed tokens such as [unusedN] unprefixed; both spellings read back the same)."""
     return [tok if i in control else tok[2:] if tok.startswith("##") else PHANTOM + tok
             for i, tok in enumerate(vocab)]
 
 
 def tokenizer(readers):
-    """A `tokenizers.Tokenizer` equivalent to the file's WordPiece vocabulary under llama.cpp's rules."""
+    """A `tokenizers.Tokenizer` for the file's WordPiece vocabulary: the original model's uncased BERT
+    tokenizer (see the module docstring for where llama.cpp's differs)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     from jaxserve.loader.gguf_loader import meta_get
@@ -144,7 +148,7 @@ def tokenizer(readers):
     cls, sep = special("bos_token_id", "[CLS]"), special("seperator_token_id", "[SEP]")
     unk = vocab[special("unknown_token_id", "[UNK]")]
     tok = Tokenizer(models.WordPiece(ids, unk_token=unk, max_input_chars_per_word=100))
-    # llama.cpp's WPM tokenizer lower-cases every model (cased ones too) and strips accents
+    # llama.cpp's converter writes uncased vocabularies (its tokenizer lower-cases every input)
     tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True,
                                                 lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

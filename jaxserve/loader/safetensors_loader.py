@@ -350,7 +350,10 @@ def _quantized(mod: str, parts: dict[str, str], where: dict, scheme, cfg: ModelC
         mapped[part] = (name, info["dtype"], _map_tensor(path, start, name, info, hf_quant.READ_DTYPES))
     qw = hf_quant.convert(scheme, mapped, K, N)
     del mapped
-    out = qw if packed else np.asarray(dequantize(qw), np.float32)
+    # A quantized MoE router (llm-compressor quantizes `mlp.gate` unless told not to) is dequantized:
+    # it picks the experts, and the model reads it as a plain array
+    keep = packed and canon not in ("layers.router", "layers.shared_expert_gate")
+    out = qw if keep else np.asarray(dequantize(qw), np.float32)
     if kind.startswith("expert:"):
         yield from _add_expert(experts, cfg, canon, layer, kind, out)
     else:

@@ -128,17 +128,23 @@ def _all_experts(h, ids, weights, w, act, E):
     """Every expert on every token, each output weighted by its router weight (0 where not chosen)."""
     dt = h.dtype
     coef = jnp.zeros((h.shape[0], E), jnp.float32).at[jnp.arange(h.shape[0])[:, None], ids].add(weights)
-    if _native(w["experts_gate"]):  # the native kernel over every expert (x repeated per expert)
-        every = jnp.arange(E, dtype=jnp.int32)
-        x = jnp.broadcast_to(h, (E, *h.shape))
-        a = act(_native_proj(x, w["experts_gate"], every)) * _native_proj(x, w["experts_up"], every)
-        y = _native_proj(a, w["experts_down"], every).astype(jnp.float32)
-        return jnp.einsum("etd,te->td", y, coef)
-    dense = {n: _dense_experts(w[n], h, dt) for n in ("experts_gate", "experts_up", "experts_down")}
-    g = jnp.einsum("td,edf->tef", h, dense["experts_gate"])
-    u = jnp.einsum("td,edf->tef", h, dense["experts_up"])
-    y = jnp.einsum("tef,efd->ted", act(g) * u, dense["experts_down"], preferred_element_type=jnp.float32)
-    return jnp.einsum("ted,te->td", y, coef)
+    every = jnp.arange(E, dtype=jnp.int32)
+    x = jnp.broadcast_to(h, (E, *h.shape))  # [E, T, D]: each expert's tile is every token
+    mm = lambda a, name, out=None: _expert_proj(a, w[name], every, dt, out, whole=h)  # noqa: E731
+    y = mm(act(mm(x, "experts_gate")) * mm(x, "experts_up"), "experts_down", jnp.float32)
+    return jnp.einsum("etd,te->td", y, coef)
+
+
+def _expert_proj(a, w, idx, dt, out=None, live=None, whole=None):
+    """a [n, t, K] @ expert idx[i] of the stack w -> [n, t, N] in `out` (default dt), whatever form
+    this projection's stack has: the native CPU kernel per tile (tiles from `live` on skipped), else a
+    batched matmul against dense expert weights — the whole stack in order when `whole` is given (the
+    every-expert path; `whole` anchors a packed stack's dequantize, see _dense_experts), else the
+    gathered experts idx."""
+    if _native(w):
+        return _native_proj(a, w, idx, live).astype(out or dt)
+    ws = _dense_experts(w, whole, dt) if whole is not None else _gathered_experts(w, idx, dt)
+    return jnp.einsum("ntk,nkf->ntf", a, ws, preferred_element_type=out)
 
 
 def _native(w) -> bool:
@@ -148,9 +154,11 @@ def _native(w) -> bool:
 def _dense_experts(w, h, dt):
     """The whole expert stack [E, K, N] as dt; a packed one dequantized after a barrier on h (a value
     of this step), so the dequantize stays inside the decode loop instead of being hoisted out."""
-    if isinstance(w, QWeight):
+    if isinstance(w, cpu_native.LayerOf):
+        w = w.weight[w.index]
+    if isinstance(w, (QWeight, CpuQWeight)):
         w, _ = jax.lax.optimization_barrier((w, h))
-        return dequantize(w).astype(dt)
+        return (dequantize(w) if isinstance(w, QWeight) else cpu_native.dequantize(w)).astype(dt)
     return w.astype(dt)
 
 
@@ -163,15 +171,20 @@ def _gathered_experts(w, idx, dt):
     return jnp.take(w, idx, axis=0).astype(dt)
 
 
-def _native_proj(x, w, idx):
+def _native_proj(x, w, idx, live=None):
     """x [n, t, K] @ expert idx[i] of a native CPU stack (CpuQWeight [E, ...], or a LayerOf one of
     [L, E, ...] inside the scan over layers) -> [n, t, N] in x's dtype: one kernel call per tile,
-    each reading its expert in place."""
+    each reading its expert in place; live (int32 [1]): tiles from this index on are skipped (zeros)."""
     cw, idx = w, idx.astype(jnp.int32)
     if isinstance(w, cpu_native.LayerOf):  # [L, E, ...] -> [L * E, ...]: a free reshape
         cw = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), w.weight)
         idx = w.index * w.weight.batch_shape[1] + idx
-    return jax.vmap(lambda xi, i: cpu_native.qmatmul(xi, cw, layer=i))(x, idx)
+    call = lambda xi, i: cpu_native.qmatmul(xi, cw, layer=i)  # noqa: E731
+    if live is None:
+        return jax.vmap(call)(x, idx)
+    skip = lambda xi, i: jnp.zeros((*xi.shape[:-1], cw.meta.N), xi.dtype)  # noqa: E731
+    n = jnp.arange(x.shape[0])  # a sequential map: the skipped tiles' calls are really not made
+    return jax.lax.map(lambda a: jax.lax.cond(a[2] < live[0], call, skip, a[0], a[1]), (x, idx, n))
 
 
 def tiled_experts(h, ids, weights, w, act, E, tile, impl="xla", act_name="silu", **tuning):
@@ -244,17 +257,13 @@ def _tiled_experts(h, ids, weights, w, act, E, tile):
     """The pairs sorted by expert into tiles of one expert each; one batched matmul per projection over
     the tiles' gathered expert weights."""
     T, D = h.shape
-    order, token, dest, tile_expert, _ = _sorted_tiles(ids, E, tile)
+    order, token, dest, tile_expert, live = _sorted_tiles(ids, E, tile)
     n_tiles = tile_expert.shape[0]
     rows = jnp.zeros((n_tiles * tile, D), h.dtype).at[dest].set(h[token])  # unused tiles: zero rows
     x = rows.reshape(n_tiles, tile, D)
     dt = h.dtype
-
-    def proj(a, name, out=None):
-        if _native(w[name]):
-            return _native_proj(a, w[name], tile_expert).astype(out or dt)
-        return jnp.einsum("ntd,ndf->ntf", a, _gathered_experts(w[name], tile_expert, dt), preferred_element_type=out)
-
-    y = proj(act(proj(x, "experts_gate")) * proj(x, "experts_up"), "experts_down", jnp.float32)
+    live = live if tile > 1 else None  # (one-row tiles: exactly the pairs, none unused)
+    mm = lambda a, name, out=None: _expert_proj(a, w[name], tile_expert, dt, out, live)  # noqa: E731
+    y = mm(act(mm(x, "experts_gate")) * mm(x, "experts_up"), "experts_down", jnp.float32)
     y = y.reshape(n_tiles * tile, D)[dest] * weights.reshape(-1)[order][:, None]
     return jnp.zeros((T, D), jnp.float32).at[token].add(y)
