@@ -584,7 +584,7 @@ class ModelRunner:
     def encode_image(self, pixels: np.ndarray) -> np.ndarray:
         """Preprocessed pixels [C, S, S] -> projected features [num_features, hidden] on the host."""
         exe = self.compile(("vision", pixels.shape[-1]))
-        return np.asarray(exe(self.vision.weights, pixels[None])[0])
+        return np.asarray(exe(self.vision.weights, pixels[None]))[0]
 
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:
