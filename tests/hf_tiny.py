@@ -131,7 +131,8 @@ def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: fl
                     **text_overrides) -> Path:
     """A tiny random LlavaForConditionalGeneration (CLIP tower of 3 layers, 16 patches of 7x7 on 28x28
     images; a `text_family` language model with vocab 260), saved with a byte-level tokenizer whose
-    "<image>" is id 256, a LLaVA-1.5-style chat template and a CLIP preprocessor_config.json."""
+    "<image>" is id 256, a LLaVA-1.5-style chat template (in chat_template.json, as llava-hf ships it) and a
+    CLIP preprocessor_config.json."""
     import torch
     import transformers as tf
 
@@ -163,5 +164,7 @@ def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: fl
                                  crop_size={"height": image_size, "width": image_size})
     proc.save_pretrained(out)
     add_byte_tokenizer(out, special=("<image>",))
-    (out / "chat_template.jinja").write_text(LLAVA_TEMPLATE)
+    import json
+
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA_TEMPLATE}))  # where llava-hf has it
     return out

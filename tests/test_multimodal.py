@@ -27,8 +27,10 @@ jax.monitoring.register_event_duration_secs_listener(
 def _img(seed: int, hw=(40, 52), mode="RGB"):
     from PIL import Image
 
-    a = np.random.default_rng(seed).integers(0, 256, (*hw, 3), dtype=np.uint8)
-    return Image.fromarray(a).convert(mode)
+    rng = np.random.default_rng(seed)
+    if mode in ("RGBA", "LA"):  # with real transparency
+        return Image.fromarray(rng.integers(0, 256, (*hw, 4), dtype=np.uint8), "RGBA").convert(mode)
+    return Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8)).convert(mode)
 
 
 def _greedy(n=10):
@@ -84,7 +86,8 @@ def _hf_generate(hf, ids, img, n=10):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("hw,mode", [((40, 52), "RGB"), ((77, 31), "L"), ((20, 20), "RGBA"), ((9, 300), "P")])
+@pytest.mark.parametrize("hw,mode", [((40, 52), "RGB"), ((77, 31), "L"), ((20, 20), "RGBA"), ((9, 300), "P"),
+                                     ((33, 41), "LA")])
 @pytest.mark.parametrize("proc_kw", [{}, {"size": {"shortest_edge": 36}, "crop_size": {"height": 28, "width": 24}}])
 def test_pixel_values_match_transformers(hw, mode, proc_kw):
     import transformers as tf
@@ -271,3 +274,70 @@ def test_text_model_refuses_images(tmp_path):
         eng.multimodal_prompt("hi <image>", [_img(1)])
     with pytest.raises(MultiModalError, match="takes no images"):
         eng.validate(MultiModalPrompt([5, 6, 7]), _greedy())
+
+
+def _serve_chat(llm, bodies: list[dict]) -> list[tuple[int, dict]]:
+    """POST each body to /v1/chat/completions of an in-process server over llm's engine."""
+    import argparse
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.state import ServerState
+
+    async def main():
+        state = ServerState(argparse.Namespace(model="tiny-llava"))
+        aeng = AsyncEngine(llm.engine)
+        aeng.start(asyncio.get_running_loop())
+        state.attach(llm.engine, aeng)
+        state.ready = True
+        out = []
+        async with TestClient(TestServer(build_app(state))) as client:
+            for body in bodies:
+                r = await client.post("/v1/chat/completions", json=body)
+                out.append((r.status, await r.json()))
+        await aeng.shutdown(5)
+        return out
+
+    return asyncio.run(main())
+
+
+def test_server_chat_with_data_url_image(llm):
+    img = _img(16)
+    want = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}}, _greedy())[0].outputs[0]
+
+    def body(*parts, **kw):
+        return {"messages": [{"role": "user", "content": list(parts)}], "temperature": 0, "max_tokens": 10,
+                "ignore_eos": True, **kw}
+
+    image = {"type": "image_url", "image_url": {"url": _data_url(img)}}
+    question = {"type": "text", "text": "What is this?"}
+    bad_b64 = {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!notbase64"}}
+    not_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"x" * 64).decode()}}
+    other_scheme = {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}
+    res = _serve_chat(llm, [body(image, question), body(question, image, stream=False, n=1),
+                            body(bad_b64, question), body(not_image, question), body(other_scheme, question),
+                            body(*[image] * 9, question), body(image, {"type": "text", "text": "<image> again?"}),
+                            body({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}})])
+    (s0, ok), (s1, ok_again), *errors = res
+    assert s0 == 200 and s1 == 200, (ok, ok_again)
+    assert ok["choices"][0]["message"]["content"] == want.text
+    assert ok["usage"]["prompt_tokens"] == 47  # the image counts as its 16 placeholder tokens
+    assert ok_again["choices"][0]["message"]["content"] == want.text
+    msgs = ["malformed", "not a readable image", "only data: and http(s): URLs", "at most 8",
+            "2 image placeholder token(s) (id 256) for 1 image(s)", "'input_audio' are not supported"]
+    for (status, err), m in zip(errors, msgs):
+        assert status == 400 and m in err["error"]["message"], err
+        assert err["error"]["type"] == "invalid_request_error"
+
+
+def test_cli_image_errors_before_loading(tmp_path):
+    from jaxserve.cli import main
+
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png")
+    for path, msg in ((tmp_path / "missing.png", "No such file"), (bad, "not a readable image")):
+        with pytest.raises(SystemExit, match=msg):
+            main(["generate", "--model", str(tmp_path / "no-model-here"), "--prompt", "x", "--image", str(path)])

@@ -128,8 +128,14 @@ def preprocess(img, pc: ImageProcessorConfig) -> np.ndarray:
 
     if not isinstance(img, Image.Image):
         raise ImageError(f"an image must be a PIL.Image, got {type(img).__name__}")
-    if pc.convert_rgb and img.mode != "RGB":
-        img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "LA") else img.convert("RGB")
+    if pc.convert_rgb:  # as transformers: transparency composited onto white
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            rgba = img.convert("RGBA")
+            img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        else:
+            img = img.convert("RGB")
+    elif img.mode != "RGB":
+        raise ImageError(f"a {img.mode} image needs do_convert_rgb in the image processor config")
     if pc.shortest_edge or pc.size_hw:
         w, h = img.size
         if pc.shortest_edge:
