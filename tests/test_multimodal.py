@@ -155,12 +155,12 @@ def test_greedy_matches_transformers_and_batch_keeps_images_apart(llm, hf):
 
 
 def test_qwen2_language_model_full_strategy(tmp_path):
-    """Another language model family (qwen2: q/k/v biases, tied embeddings) and the "full" strategy
-    (CLS row kept: 17 placeholders per image), greedy against transformers."""
+    """Another language model family (qwen2: q/k/v biases, tied embeddings), the "full" strategy (CLS
+    row kept: 17 placeholders per image) and unrolled layers (the GPU's path), greedy against transformers."""
     import transformers as tf
 
     d = make_tiny_llava(tmp_path, text_family="qwen2", strategy="full")
-    q = LLM(str(d), max_model_len=64, max_num_seqs=2, prefill_chunk_size=32)
+    q = LLM(str(d), max_model_len=64, max_num_seqs=2, prefill_chunk_size=32, scan_layers=False)  # GPU's layer loop
     img = _img(15)
     out = q.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}}, _greedy())[0]
     ids = out.prompt_token_ids
@@ -199,15 +199,23 @@ def test_prefix_cache_is_keyed_on_the_image(llm):
     assert other.outputs[0].token_ids == alone.outputs[0].token_ids != first.outputs[0].token_ids
 
 
-def test_features_dropped_after_prefill(llm):
+def test_features_encoded_once_and_dropped_after_prefill(llm, monkeypatch):
+    """A request's n choices share one encoding of its image; the features go once every choice's
+    prefill is past the image."""
     eng = llm.engine
-    seqs = eng.add_request("drop-test", eng.multimodal_prompt(PROMPT, [_img(11)]), _greedy(4))
+    calls = []
+    encode = eng.runner.encode_image
+    monkeypatch.setattr(eng.runner, "encode_image", lambda px: calls.append(1) or encode(px))
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True)
+    seqs = eng.add_request("drop-test", eng.multimodal_prompt(PROMPT, [_img(11)]), params)
     seen = []
     while eng.has_unfinished():
         eng.step()
-        seen.append(len(seqs[0].mm_features))
-    assert seqs[0].is_finished and not seqs[0].mm_features
-    assert seen[0] == 1  # held while the 16-token chunks walk through the image run
+        seen.append(len(seqs[0].mm.features))
+    assert all(s.is_finished for s in seqs) and not seqs[0].mm.features
+    assert seen[0] == 1 and seen[-1] == 0  # held while the 16-token chunks walk through the image run
+    assert len(calls) == 1
+    assert seqs[0].output_token_ids == seqs[1].output_token_ids
 
 
 def test_preempted_sequence_reencodes_its_image(llava_dir):
@@ -276,11 +284,13 @@ def test_text_model_refuses_images(tmp_path):
         eng.validate(MultiModalPrompt([5, 6, 7]), _greedy())
 
 
-def _serve_chat(llm, bodies: list[dict]) -> list[tuple[int, dict]]:
-    """POST each body to /v1/chat/completions of an in-process server over llm's engine."""
+def _serve_chat(llm, bodies, files: dict | None = None) -> list[tuple[int, dict]]:
+    """POST each body to /v1/chat/completions of an in-process server over llm's engine; bodies may be
+    functions of the base URL of a second local server that serves `files` ({name: bytes})."""
     import argparse
     import asyncio
 
+    from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
     from jaxserve.engine.async_engine import AsyncEngine
@@ -294,9 +304,16 @@ def _serve_chat(llm, bodies: list[dict]) -> list[tuple[int, dict]]:
         state.attach(llm.engine, aeng)
         state.ready = True
         out = []
-        async with TestClient(TestServer(build_app(state))) as client:
+        async def serve_file(r):
+            name = r.match_info["name"]
+            return web.Response(body=files[name]) if name in files else web.Response(status=404)
+
+        images = web.Application()
+        images.router.add_get("/{name}", serve_file)
+        async with TestServer(images) as img_srv, TestClient(TestServer(build_app(state))) as client:
+            base = str(img_srv.make_url("/"))
             for body in bodies:
-                r = await client.post("/v1/chat/completions", json=body)
+                r = await client.post("/v1/chat/completions", json=body(base) if callable(body) else body)
                 out.append((r.status, await r.json()))
         await aeng.shutdown(5)
         return out
@@ -304,7 +321,10 @@ def _serve_chat(llm, bodies: list[dict]) -> list[tuple[int, dict]]:
     return asyncio.run(main())
 
 
-def test_server_chat_with_data_url_image(llm):
+def test_server_chat_with_image_urls(llm, monkeypatch):
+    from jaxserve.server import images
+
+    monkeypatch.setattr(images, "MAX_FETCH_BYTES", 100_000)
     img = _img(16)
     want = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}}, _greedy())[0].outputs[0]
 
@@ -317,17 +337,26 @@ def test_server_chat_with_data_url_image(llm):
     bad_b64 = {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!notbase64"}}
     not_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"x" * 64).decode()}}
     other_scheme = {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}
-    res = _serve_chat(llm, [body(image, question), body(question, image, stream=False, n=1),
+
+    def url(name):  # an http URL on a local server
+        return lambda base: body({"type": "image_url", "image_url": {"url": base + name}}, question)
+
+    png = base64.b64decode(_data_url(img).split(",", 1)[1])
+    res = _serve_chat(llm, [body(image, question), url("cat.png"),
                             body(bad_b64, question), body(not_image, question), body(other_scheme, question),
                             body(*[image] * 9, question), body(image, {"type": "text", "text": "<image> again?"}),
-                            body({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}})])
+                            body({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}),
+                            url("missing.png"), url("huge.png")],
+                      files={"cat.png": png, "huge.png": b"\0" * 100_001})
     (s0, ok), (s1, ok_again), *errors = res
     assert s0 == 200 and s1 == 200, (ok, ok_again)
     assert ok["choices"][0]["message"]["content"] == want.text
     assert ok["usage"]["prompt_tokens"] == 47  # the image counts as its 16 placeholder tokens
     assert ok_again["choices"][0]["message"]["content"] == want.text
     msgs = ["malformed", "not a readable image", "only data: and http(s): URLs", "at most 8",
-            "2 image placeholder token(s) (id 256) for 1 image(s)", "'input_audio' are not supported"]
+            "2 image placeholder token(s) (id 256) for 1 image(s)", "'input_audio' are not supported",
+            "HTTP 404", "larger than"]
+    assert len(errors) == len(msgs)
     for (status, err), m in zip(errors, msgs):
         assert status == 400 and m in err["error"]["message"], err
         assert err["error"]["type"] == "invalid_request_error"

@@ -558,8 +558,9 @@ class LLMEngine:
                 continue
             if seq.output_token_ids and seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.mm_features and (seq.is_finished or seq.num_computed_tokens >= seq.mm.end):
-                seq.mm_features.clear()  # its prefill is past every image: the features are not needed
+            if seq.mm is not None and seq.mm.features and all(
+                    s.is_finished or s.num_computed_tokens >= s.mm.end for s in self.requests.get(seq.request_id, ())):
+                seq.mm.features.clear()  # every choice's prefill is past the images: not needed any more
             new_ids, text, lps, stop = ts.consume()
             if stop is not None:
                 if seq.is_finished:  # EOS/length in the same step, after the stop string

@@ -3,8 +3,9 @@
 A multimodal prompt is its token ids with each image's placeholder token expanded to one token per
 projected feature row, plus, per image, where its run starts, the preprocessed pixels and a content
 hash. The runner encodes an image when a step first needs its rows (models/clip_vision.py) and the
-step's embeddings of those positions are replaced by the features; the engine drops the features
-once the sequence's prefill has passed the image (a recompute after preemption encodes it again).
+step's embeddings of those positions are replaced by the features; the features are shared by the
+request's n choices and dropped once all of them are past the images (a recompute after preemption
+encodes an image again).
 The prefix cache keys the blocks of a placeholder run on the image's hash (block_extra), so two
 images never share blocks.
 """
@@ -35,6 +36,9 @@ class MultiModalPrompt:
     token_ids: list[int]
     images: list[ImageInput] = field(default_factory=list)
     text: str | None = None
+    # image index -> projected features (host array), filled by the runner when a step first needs them
+    # and dropped by the engine once every sequence of the request is past the images
+    features: dict = field(default_factory=dict)
 
     @property
     def end(self) -> int:

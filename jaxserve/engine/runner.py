@@ -255,6 +255,7 @@ class ModelRunner:
             self.consts = jax.device_put(self.consts, self._replicated)
         self.row_counted = np.zeros(self.R + 1, np.int64)  # output tokens counted per row
         self._ones_masks: dict[int, Any] = {}  # rows -> all-ones token mask on the device (ones_mask)
+        self._mm_zero_rows: dict[tuple, Any] = {}  # [T, D] -> zeros on the device (_mm_zeros)
         self._compiled: dict[tuple, Any] = {}
         self._frozen = False
         self.compile_seconds = 0.0
@@ -568,16 +569,25 @@ class ModelRunner:
                 inp["target_ids"][t:t + len(nxt)] = nxt
             if seq.mm is not None:
                 self._put_image_rows(inp, seq, s.start, s.num_new, t)
+        if self.vision is not None and not inp["mm_mask"].any():
+            inp["mm_embeds"] = self._mm_zeros(inp["mm_embeds"])  # a text-only step: no [T, D] upload
         return key, inp, offsets
+
+    def _mm_zeros(self, like: np.ndarray):
+        """The all-zero image rows of a step of this bucket, kept on the device."""
+        a = self._mm_zero_rows.get(like.shape)
+        if a is None:
+            a = self._mm_zero_rows[like.shape] = jax.device_put(like)
+        return a
 
     def _put_image_rows(self, inp: dict, seq, start: int, n: int, t: int) -> None:
         """The features of the image rows among positions [start, start + n), laid out from slot t."""
         from jaxserve.engine.multimodal import overrides
 
         for j, row, rel, k in overrides(seq.mm, start, n):
-            feats = seq.mm_features.get(j)
+            feats = seq.mm.features.get(j)
             if feats is None:  # first needed now (or again, after a preemption): encode once
-                feats = seq.mm_features[j] = self.encode_image(seq.mm.images[j].pixels)
+                feats = seq.mm.features[j] = self.encode_image(seq.mm.images[j].pixels)
             inp["mm_embeds"][t + rel:t + rel + k] = feats[row:row + k]
             inp["mm_mask"][t + rel:t + rel + k] = True
 

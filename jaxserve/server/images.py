@@ -26,7 +26,7 @@ async def _fetch(url: str) -> bytes:
             async for chunk in r.content.iter_chunked(1 << 16):
                 data += chunk
                 if len(data) > MAX_FETCH_BYTES:
-                    raise bad_request(f"image {url[:80]!r} is larger than {MAX_FETCH_BYTES >> 20} MB", "messages")
+                    raise bad_request(f"image {url[:80]!r} is larger than {MAX_FETCH_BYTES} bytes", "messages")
             return bytes(data)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise bad_request(f"fetching image {url[:80]!r} failed: {type(e).__name__} {e}".strip(), "messages") from None
