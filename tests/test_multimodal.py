@@ -285,8 +285,9 @@ def test_text_model_refuses_images(tmp_path):
 
 
 def _serve_chat(llm, bodies, files: dict | None = None) -> list[tuple[int, dict]]:
-    """POST each body to /v1/chat/completions of an in-process server over llm's engine; bodies may be
-    functions of the base URL of a second local server that serves `files` ({name: bytes})."""
+    """POST each body to /v1/chat/completions (or (path, body) to path) of an in-process server over
+    llm's engine; bodies may be functions of the base URL of a second local server that serves `files`
+    ({name: bytes})."""
     import argparse
     import asyncio
 
@@ -313,7 +314,8 @@ def _serve_chat(llm, bodies, files: dict | None = None) -> list[tuple[int, dict]
         async with TestServer(images) as img_srv, TestClient(TestServer(build_app(state))) as client:
             base = str(img_srv.make_url("/"))
             for body in bodies:
-                r = await client.post("/v1/chat/completions", json=body(base) if callable(body) else body)
+                path, body = body if isinstance(body, tuple) else ("/v1/chat/completions", body)
+                r = await client.post(path, json=body(base) if callable(body) else body)
                 out.append((r.status, await r.json()))
         await aeng.shutdown(5)
         return out
@@ -326,7 +328,8 @@ def test_server_chat_with_image_urls(llm, monkeypatch):
 
     monkeypatch.setattr(images, "MAX_FETCH_BYTES", 100_000)
     img = _img(16)
-    want = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}}, _greedy())[0].outputs[0]
+    offline = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}}, _greedy())[0]
+    want = offline.outputs[0]
 
     def body(*parts, **kw):
         return {"messages": [{"role": "user", "content": list(parts)}], "temperature": 0, "max_tokens": 10,
@@ -342,13 +345,15 @@ def test_server_chat_with_image_urls(llm, monkeypatch):
         return lambda base: body({"type": "image_url", "image_url": {"url": base + name}}, question)
 
     png = base64.b64decode(_data_url(img).split(",", 1)[1])
-    res = _serve_chat(llm, [body(image, question), url("cat.png"),
+    tokenize = ("/tokenize", {"messages": [{"role": "user", "content": [image, question]}]})
+    res = _serve_chat(llm, [tokenize, body(image, question), url("cat.png"),
                             body(bad_b64, question), body(not_image, question), body(other_scheme, question),
                             body(*[image] * 9, question), body(image, {"type": "text", "text": "<image> again?"}),
                             body({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}),
                             url("missing.png"), url("huge.png")],
                       files={"cat.png": png, "huge.png": b"\0" * 100_001})
-    (s0, ok), (s1, ok_again), *errors = res
+    (st, tok), (s0, ok), (s1, ok_again), *errors = res
+    assert st == 200 and tok["count"] == 47 and tok["tokens"] == offline.prompt_token_ids
     assert s0 == 200 and s1 == 200, (ok, ok_again)
     assert ok["choices"][0]["message"]["content"] == want.text
     assert ok["usage"]["prompt_tokens"] == 47  # the image counts as its 16 placeholder tokens

@@ -10,6 +10,7 @@ import os
 import aiohttp
 
 from jaxserve.server.errors import bad_request
+from jaxserve.server.sampling import chat_prompt_ids
 
 MAX_IMAGES = int(os.environ.get("JAXSERVE_MAX_IMAGES", 8))  # per request
 FETCH_TIMEOUT_S = float(os.environ.get("JAXSERVE_IMAGE_FETCH_TIMEOUT", 10))
@@ -30,6 +31,17 @@ async def _fetch(url: str) -> bytes:
             return bytes(data)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise bad_request(f"fetching image {url[:80]!r} failed: {type(e).__name__} {e}".strip(), "messages") from None
+
+
+async def chat_prompt(state, messages, add_generation_prompt, funcs=None, template_kwargs=None):
+    """(token ids, MultiModalPrompt or None) of a chat request: a multimodal model's messages keep
+    their image parts (sampling.chat_prompt_ids collects them), a text model refuses them."""
+    images = [] if getattr(state.engine, "vision", None) is not None else None
+    ids = chat_prompt_ids(state, messages, add_generation_prompt, funcs, template_kwargs, images)
+    if not images:
+        return ids, None
+    mm = await multimodal_prompt(state.engine, ids, images)
+    return mm.token_ids, mm
 
 
 async def multimodal_prompt(engine, ids: list[int], sources: list, text: str | None = None):
