@@ -6,6 +6,7 @@ serving, and errors."""
 
 import base64
 import io
+import json
 
 import jax
 import jax.numpy as jnp
@@ -316,6 +317,12 @@ def _serve_chat(llm, bodies, files: dict | None = None) -> list[tuple[int, dict]
             for body in bodies:
                 path, body = body if isinstance(body, tuple) else ("/v1/chat/completions", body)
                 r = await client.post(path, json=body(base) if callable(body) else body)
+                if r.content_type == "text/event-stream":  # a stream: its chunks' deltas joined
+                    events = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                              if line.startswith("data: {")]
+                    out.append((r.status, "".join(e["choices"][0]["delta"].get("content") or ""
+                                                  for e in events if e["choices"])))
+                    continue
                 out.append((r.status, await r.json()))
         await aeng.shutdown(5)
         return out
@@ -346,13 +353,14 @@ def test_server_chat_with_image_urls(llm, monkeypatch):
 
     png = base64.b64decode(_data_url(img).split(",", 1)[1])
     tokenize = ("/tokenize", {"messages": [{"role": "user", "content": [image, question]}]})
-    res = _serve_chat(llm, [tokenize, body(image, question), url("cat.png"),
+    res = _serve_chat(llm, [tokenize, body(image, question, stream=True), body(image, question), url("cat.png"),
                             body(bad_b64, question), body(not_image, question), body(other_scheme, question),
                             body(*[image] * 9, question), body(image, {"type": "text", "text": "<image> again?"}),
                             body({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}),
                             url("missing.png"), url("huge.png")],
                       files={"cat.png": png, "huge.png": b"\0" * 100_001})
-    (st, tok), (s0, ok), (s1, ok_again), *errors = res
+    (st, tok), (ss, streamed), (s0, ok), (s1, ok_again), *errors = res
+    assert ss == 200 and streamed == want.text
     assert st == 200 and tok["count"] == 47 and tok["tokens"] == offline.prompt_token_ids
     assert s0 == 200 and s1 == 200, (ok, ok_again)
     assert ok["choices"][0]["message"]["content"] == want.text
