@@ -383,3 +383,12 @@ def test_cli_image_errors_before_loading(tmp_path):
     for path, msg in ((tmp_path / "missing.png", "No such file"), (bad, "not a readable image")):
         with pytest.raises(SystemExit, match=msg):
             main(["generate", "--model", str(tmp_path / "no-model-here"), "--prompt", "x", "--image", str(path)])
+
+
+def test_convert_refuses_multimodal(llava_dir, tmp_path, capsys):
+    """tools/convert would keep only the language model: it says so instead."""
+    from tools.convert import export, quantize
+
+    assert export.main(["--model", str(llava_dir), "--format", "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
+    assert quantize.main(["--model", str(llava_dir), "--isq", "q8_0", "--out", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err.count("multimodal (llava)") == 2
