@@ -201,18 +201,32 @@ def _params_from_args(args, **extra):
 
 
 def cmd_generate(args) -> int:
+    images = [_open_image(p) for p in args.image or []]  # before the (long) load
     llm = _make_llm(args)
     if llm.is_follower:  # multi-host rank > 0: ran rank 0's steps until it finished
         return 0
     params = _params_from_args(args, max_tokens=args.max_tokens, seed=args.sample_seed)
     if args.chat:
-        outs = llm.chat([{"role": "user", "content": args.prompt}], params)
+        content = [{"type": "image_pil", "image_pil": im} for im in images] + [{"type": "text", "text": args.prompt}]
+        outs = llm.chat([{"role": "user", "content": content if images else args.prompt}], params)
+    elif images:
+        outs = llm.generate({"prompt": args.prompt, "multi_modal_data": {"image": images}}, params)
     else:
         outs = llm.generate(args.prompt, params)
     o = outs[0].outputs[0]
     print(o.text)
     print(f"[finish_reason={o.finish_reason} tokens={len(o.token_ids)}]", file=sys.stderr)
     return 0
+
+
+def _open_image(path: str):
+    from jaxserve.loader.image import ImageError, decode_image
+
+    try:
+        with open(path, "rb") as f:
+            return decode_image(f.read())
+    except (OSError, ImageError) as e:
+        raise SystemExit(f"--image {path}: {e}")
 
 
 def cmd_score(args) -> int:
@@ -294,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--image", action="append", help="an image file for a multimodal model (repeatable; with "
+                   "--chat the images come before the text, else the prompt needs one <image> placeholder each)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--sample-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)

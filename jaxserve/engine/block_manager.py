@@ -18,6 +18,7 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
+from jaxserve.engine.multimodal import block_extra
 from jaxserve.engine.sequence import Sequence
 
 
@@ -25,12 +26,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(prev: bytes | None, tokens) -> bytes:
-    """Chained hash of one full block: depends on every token of the prefix up to and including it."""
+def hash_block(prev: bytes | None, tokens, extra: bytes = b"") -> bytes:
+    """Chained hash of one full block: depends on every token of the prefix up to and including it,
+    and on `extra` (the content hashes of images whose placeholders lie in the block)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(prev or b"\0" * 16)
     h.update(array("q", tokens).tobytes())
+    h.update(extra)
     return h.digest()
+
+
+def _block_hash(seq: Sequence, prev: bytes | None, toks, i: int, bs: int) -> bytes:
+    return hash_block(prev, toks[i * bs:(i + 1) * bs], block_extra(seq.mm, i * bs, (i + 1) * bs))
 
 
 class BlockManager:
@@ -146,7 +153,7 @@ class BlockManager:
         max_blocks = (len(toks) - 1) // bs
         blocks, hashes, prev = [], [], None
         for i in range(max_blocks):
-            h = hash_block(prev, toks[i * bs:(i + 1) * bs])
+            h = _block_hash(seq, prev, toks, i, bs)
             b = self._hash_block.get(h)
             if b is None:
                 break
@@ -226,7 +233,7 @@ class BlockManager:
         toks = seq.all_token_ids
         prev = hashes[-1] if hashes else None
         for i in range(len(hashes), full):
-            h = hash_block(prev, toks[i * bs:(i + 1) * bs])
+            h = _block_hash(seq, prev, toks, i, bs)
             hashes.append(h)
             prev = h
             b = seq.block_table[i]

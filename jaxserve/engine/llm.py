@@ -199,16 +199,21 @@ class LLM:
             plp = None
             if s0.params.prompt_logprobs is not None:
                 plp = [None] + list(s0.prompt_logprobs)
+            if not isinstance(prompt, (str, list)):  # a MultiModalPrompt
+                prompt = prompt.text
             results.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None,
                                          list(s0.prompt_token_ids), outs, plp, s0.num_cached_tokens))
         return results
 
-    def generate(self, prompts: str | list[str] | list[list[int]] | list[int],
+    def generate(self, prompts: str | dict | list[str] | list[dict] | list[list[int]] | list[int],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """prompts: texts, token-id lists, or (vLLM's shape) dicts {"prompt": text or
+        "prompt_token_ids": ids, "multi_modal_data": {"image": a PIL image or a list of them}} for a
+        multimodal model, one image per image placeholder in the prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [self._prompt_from_dict(p) if isinstance(p, dict) else p for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -216,6 +221,21 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         return self._run(prompts, list(sampling_params), use_tqdm)
+
+    def _prompt_from_dict(self, p: dict):
+        unknown = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown or ("prompt" in p) == ("prompt_token_ids" in p):
+            raise ValueError("a prompt dict has 'prompt' or 'prompt_token_ids' (one of them) and optionally "
+                             f"'multi_modal_data'; got keys {sorted(p)}")
+        text = p.get("prompt")
+        mm = dict(p.get("multi_modal_data") or {})
+        images = mm.pop("image", None)
+        if mm:
+            raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(mm)}")
+        if images is None:
+            return text if text is not None else list(p["prompt_token_ids"])
+        images = images if isinstance(images, (list, tuple)) else [images]
+        return self.engine.multimodal_prompt(text if text is not None else p["prompt_token_ids"], list(images))
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> str:
@@ -231,8 +251,23 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         self._need_generative()
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode(self.apply_chat_template(c, tools, add_generation_prompt))
-                   for c in convs]
+        prompts = []
+        for c in convs:
+            if getattr(self.engine, "vision", None) is None:
+                prompts.append(self.tokenizer.encode(self.apply_chat_template(c, tools, add_generation_prompt)))
+                continue
+            # multimodal: image parts become {"type": "image"} for the template, the images go alongside
+            from jaxserve.loader.image import load_source, split_content
+
+            msgs, images = [], []
+            for i, m in enumerate(c):
+                content = m.get("content")
+                parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+                parts, srcs = split_content(parts, f"messages[{i}].content")
+                msgs.append(dict(m, content=parts))
+                images += [load_source(x) for x in srcs]
+            text = self.apply_chat_template(msgs, tools, add_generation_prompt)
+            prompts.append(self.engine.multimodal_prompt(self.tokenizer.encode(text), images, text))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def score(self, texts: str | list[str], use_tqdm: bool = False) -> list[ScoreOutput]:

@@ -43,6 +43,7 @@ class LoadedModel:
     generation_defaults: dict | None = None
     mesh: Any = None
     rules: dict | None = None
+    vision: Any = None  # a multimodal model's image encoder (loader/vision_weights.VisionModel)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class ModelSource:
     model_dir: Path | None = None
     gguf_readers: Any = None  # the opened GGUF files (kind "gguf")
     prequantized: str | None = None  # ISQ format / HF quant method the matmul weights already have
+    vision: Any = None  # a llava checkpoint's VisionConfig (models/clip_vision.py), else None
 
 
 def open_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
@@ -84,7 +86,7 @@ def open_model(model: str | None, *, file: str | None = None, weights_file: str 
         return ModelSource(cfg, Tokenizer.synthetic(cfg.vocab_size, cfg.eos_token_ids),
                            lambda: random_tensors(cfg), "random")
     res = source.resolve_model(model, file=file, weights_file=weights_file, revision=revision)
-    gen_defaults = readers = prequantized = None
+    gen_defaults = readers = prequantized = vision = None
     if res.kind == "gguf":
         from jaxserve.loader import gguf_loader
 
@@ -116,6 +118,9 @@ def open_model(model: str | None, *, file: str | None = None, weights_file: str 
         gen = res.model_dir / "generation_config.json"
         if gen.exists():
             gen_defaults = json.loads(gen.read_text())
+        from jaxserve.loader.vision_weights import llava_vision_config
+
+        vision = llava_vision_config(res.model_dir, cfg.hidden_size)
     if yarn_scaling_factor:
         from jaxserve.config import RopeScaling
 
@@ -128,7 +133,7 @@ def open_model(model: str | None, *, file: str | None = None, weights_file: str 
     cfg = dataclasses.replace(cfg, eos_token_ids=eos, tie_word_embeddings=cfg.tie_word_embeddings or not lm_head)
     return ModelSource(cfg, tok, lambda: tensors(cfg), res.kind, generation_defaults=gen_defaults,
                        tokenizer_dir=res.tokenizer_dir, model_dir=res.model_dir, gguf_readers=readers,
-                       prequantized=prequantized)
+                       prequantized=prequantized, vision=vision)
 
 
 def load_model(model: str | None, *, file: str | None = None, weights_file: str | None = None,
@@ -189,8 +194,15 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     if native:
         weights = _to_native_cpu(cfg, src, weights)
     name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    vision = None
+    if src.vision is not None and lm_head:
+        from jaxserve.loader.vision_weights import load_vision
+
+        if mesh is not None:
+            raise ValueError("multimodal models run on one device (no tensor or data parallelism)")
+        vision = load_vision(src.model_dir, src.vision, dtype)
     return LoadedModel(cfg=cfg, tokenizer=src.tokenizer, weights=weights, name=name,
-                       generation_defaults=src.generation_defaults, mesh=mesh, rules=rules)
+                       generation_defaults=src.generation_defaults, mesh=mesh, rules=rules, vision=vision)
 
 
 RANDOM_PREFIX = "random:"
@@ -376,8 +388,10 @@ class LLMEngine:
                      reserved / 2**30)
         num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved)
         # runner_cls: multi-host rank 0 uses a runner that also publishes each step's inputs.
+        mm = {"vision": lm.vision} if lm.vision is not None else {}  # text models: the runner as before
         self.runner = (runner_cls or ModelRunner)(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,
-                                                  mesh=lm.mesh, rules=lm.rules)
+                                                  mesh=lm.mesh, rules=lm.rules, **mm)
+        self.vision = lm.vision
         lm.weights = self.runner.weights
         max_cached = None
         if ecfg.prefix_cache_max_tokens is not None:
@@ -399,8 +413,17 @@ class LLMEngine:
     def kv_capacity_tokens(self) -> int:
         return (self.runner.num_blocks - 1) * self.ecfg.block_size
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise a 4xx-worthy error if this request can never run."""
+    def validate(self, prompt_ids, params: SamplingParams) -> None:
+        """Raise a 4xx-worthy error if this request can never run. prompt_ids: token ids or a
+        MultiModalPrompt."""
+        from jaxserve.engine.multimodal import MultiModalError, MultiModalPrompt
+
+        if isinstance(prompt_ids, MultiModalPrompt):
+            if self.vision is None:
+                raise MultiModalError(f"{self.model.name} takes no images (a text-only model)")
+            prompt_ids = prompt_ids.token_ids
+        elif self.vision is not None and self.vision.cfg.image_token_id in prompt_ids:
+            raise MultiModalError("the prompt has image placeholder tokens but no images")
         params.validate(self.ecfg.max_logprobs, self.cfg.vocab_size)
         # Limits of the fixed-shape sampling tensors (a request beyond them must not fail a batch).
         from jaxserve.engine.sampling_tensors import DEFAULT_MAX_BIAS, DEFAULT_MAX_EOS
@@ -434,17 +457,37 @@ class LLMEngine:
             self._grammar = GrammarCompiler(self.tokenizer, self.cfg.vocab_size)
         return self._grammar
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def multimodal_prompt(self, prompt: str | list[int], images: list, text: str | None = None):
+        """A prompt with images (PIL images, in placeholder order) -> MultiModalPrompt: each image
+        preprocessed, its placeholder token expanded to its feature rows."""
+        from jaxserve.engine.multimodal import MultiModalError, expand_placeholders
+        from jaxserve.loader import image as image_mod
+
+        if self.vision is None:
+            raise MultiModalError(f"{self.model.name} takes no images (a text-only model)")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        pixels = [image_mod.preprocess(im, self.vision.processor) for im in images]
+        v = self.vision.cfg
+        return expand_placeholders(ids, pixels, [image_mod.content_hash(p) for p in pixels], v.image_token_id,
+                                   v.num_features, text if text is not None else
+                                   prompt if isinstance(prompt, str) else None)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams,
                     arrival_time: float | None = None) -> list[Sequence]:
+        """prompt: text, token ids, or a MultiModalPrompt (multimodal_prompt)."""
+        from jaxserve.engine.multimodal import MultiModalPrompt
+
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(prompt_ids, params)
+        mm = prompt if isinstance(prompt, MultiModalPrompt) else None
+        prompt_ids = list(mm.token_ids) if mm else self.tokenizer.encode(prompt) if isinstance(prompt, str) \
+            else list(prompt)
+        self.validate(mm or prompt_ids, params)
         seqs = []
         for i in range(params.n):
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
-                           choice_index=i, sample_seed=seed & 0x7FFFFFFF)
+                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm)
             if params.structured is not None:
                 seq.matcher = self.grammar_compiler.matcher(params.structured, prompt_ids)
             if arrival_time is not None:
@@ -515,6 +558,9 @@ class LLMEngine:
                 continue
             if seq.output_token_ids and seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.mm is not None and seq.mm.features and all(
+                    s.is_finished or s.num_computed_tokens >= s.mm.end for s in self.requests.get(seq.request_id, ())):
+                seq.mm.features.clear()  # every choice's prefill is past the images: not needed any more
             new_ids, text, lps, stop = ts.consume()
             if stop is not None:
                 if seq.is_finished:  # EOS/length in the same step, after the stop string

@@ -125,8 +125,13 @@ class _Pending:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, ecfg: EngineConfig, weights, num_blocks: int,
-                 attention=None, mesh=None, rules=None, qmatmul=None, dense_gemv_tuning=None):
+                 attention=None, mesh=None, rules=None, qmatmul=None, dense_gemv_tuning=None, vision=None):
         self.cfg, self.ecfg, self.weights = cfg, ecfg, weights
+        # A multimodal model's image encoder (loader/vision_weights.VisionModel): its program is compiled
+        # with the others, and mixed steps take per-token embedding overrides.
+        if vision is not None and mesh is not None:
+            raise ValueError("multimodal models run on one device (no tensor or data parallelism)")
+        self.vision = vision
         # The quantized matmul for packed weights: None = the platform's default (benchmarks pass a
         # variant, e.g. functools.partial(pallas_triton.qmatmul, decode_mode="gemv")).
         self.qmatmul = qmatmul
@@ -250,6 +255,7 @@ class ModelRunner:
             self.consts = jax.device_put(self.consts, self._replicated)
         self.row_counted = np.zeros(self.R + 1, np.int64)  # output tokens counted per row
         self._ones_masks: dict[int, Any] = {}  # rows -> all-ones token mask on the device (ones_mask)
+        self._mm_zero_rows: dict[tuple, Any] = {}  # [T, D] -> zeros on the device (_mm_zeros)
         self._compiled: dict[tuple, Any] = {}
         self._frozen = False
         self.compile_seconds = 0.0
@@ -279,6 +285,8 @@ class ModelRunner:
     def program_keys(self) -> list[tuple]:
         keys = [("decode", s) for s in self.ecfg.seq_buckets]
         keys += [("mixed", t) for t in self.ecfg.token_buckets]
+        if self.vision is not None:  # one image at a time, at the processor's fixed size
+            keys.append(("vision", self.vision.cfg.image_size))
         return keys
 
     def _fn(self, key):
@@ -288,6 +296,10 @@ class ModelRunner:
                       logits_sharding=self._replicated if self.mesh is not None else None,
                       # the Pallas expert kernels take whole arrays: XLA's path where the experts are sharded
                       moe_impl="xla" if self.mesh is not None else None)
+        if key[0] == "vision":
+            from jaxserve.models.clip_vision import image_features
+
+            return jax.jit(partial(image_features, self.vision.cfg))
         if key[0] == "decode":
             f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps,
                         rope_attend=self.rope_attend, **common)
@@ -303,6 +315,10 @@ class ModelRunner:
 
     def _abstract_args(self, key) -> tuple:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+        if key[0] == "vision":
+            v = self.vision.cfg
+            return (jax.tree.map(spec, self.vision.weights),
+                    jax.ShapeDtypeStruct((1, v.num_channels, key[1], key[1]), jnp.float32))
         return (jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
                 jax.tree.map(spec, self.state), self._abstract_inputs(key))
 
@@ -320,7 +336,7 @@ class ModelRunner:
         kernels = ps.stable_name((self.attention, self.attention_tiled, self.add_norm, self.rope_kv,
                                   self.qmatmul, self.rope_attend))
         context = repr((self.cfg, self.ecfg, self.num_blocks, self.scan_layers, kernels,
-                        sorted(self.program_options.items())))
+                        sorted(self.program_options.items()), self.vision and self.vision.cfg))
         return ps.ProgramStore(os.path.join(root, "jaxserve-programs"), context)
 
     def _options(self, key) -> dict | None:
@@ -449,6 +465,9 @@ class ModelRunner:
             sample_idx=np.zeros(S, np.int32), sample_pos=np.zeros(S, np.int32))
         base["target_ids"] = np.zeros(T, np.int32)
         base["want_plp"] = np.bool_(False)
+        if self.vision is not None:  # image features in place of placeholder embeddings (multimodal only)
+            base["mm_embeds"] = np.zeros((T, self.cfg.hidden_size), jnp.dtype(self.ecfg.dtype))
+            base["mm_mask"] = np.zeros(T, bool)
         return base
 
     def ones_mask(self, S: int):
@@ -548,7 +567,34 @@ class ModelRunner:
             if want_plp:
                 nxt = seq.all_token_ids[s.start + 1:s.start + s.num_new + 1]
                 inp["target_ids"][t:t + len(nxt)] = nxt
+            if seq.mm is not None:
+                self._put_image_rows(inp, seq, s.start, s.num_new, t)
+        if self.vision is not None and not inp["mm_mask"].any():
+            inp["mm_embeds"] = self._mm_zeros(inp["mm_embeds"])  # a text-only step: no [T, D] upload
         return key, inp, offsets
+
+    def _mm_zeros(self, like: np.ndarray):
+        """The all-zero image rows of a step of this bucket, kept on the device."""
+        a = self._mm_zero_rows.get(like.shape)
+        if a is None:
+            a = self._mm_zero_rows[like.shape] = jax.device_put(like)
+        return a
+
+    def _put_image_rows(self, inp: dict, seq, start: int, n: int, t: int) -> None:
+        """The features of the image rows among positions [start, start + n), laid out from slot t."""
+        from jaxserve.engine.multimodal import overrides
+
+        for j, row, rel, k in overrides(seq.mm, start, n):
+            feats = seq.mm.features.get(j)
+            if feats is None:  # first needed now (or again, after a preemption): encode once
+                feats = seq.mm.features[j] = self.encode_image(seq.mm.images[j].pixels)
+            inp["mm_embeds"][t + rel:t + rel + k] = feats[row:row + k]
+            inp["mm_mask"][t + rel:t + rel + k] = True
+
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """Preprocessed pixels [C, S, S] -> projected features [num_features, hidden] on the host."""
+        exe = self.compile(("vision", pixels.shape[-1]))
+        return np.asarray(exe(self.vision.weights, pixels[None]))[0]
 
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:

@@ -49,6 +49,8 @@ class Sequence:
     sample_seed: int = 0  # noise comes from (sample_seed, position) only
     # structured output: the GrammarMatcher that masks this sequence's next token (structured.py)
     matcher: object | None = None
+    # image inputs (engine/multimodal.MultiModalPrompt; shared by the request's n choices)
+    mm: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """Map a Hugging Face `config.json` onto ModelConfig.
 
-Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3 (multimodal: its `text_config`) and
+Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3 and llava (multimodal: their `text_config`) and
 gemma3_text. Fields missing from the file take transformers' class defaults for that model type, because
 HF configs on the Hub (notably Gemma 3's `text_config`) omit fields equal to those defaults.
 
@@ -22,7 +22,8 @@ from typing import Any
 from jaxserve.config import ConfigError, ModelConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "mixtral",
-                         "qwen2_moe", "qwen3_moe")
+                         "qwen2_moe", "qwen3_moe", "llava")
+LLAVA_TEXT_TYPES = ("llama", "mistral", "qwen2")  # language models of a llava checkpoint
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # transformers' class defaults (only the fields we read).
@@ -175,17 +176,19 @@ def _text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     mtype = config.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unsupported model_type {mtype!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if mtype != "gemma3":
+    if mtype not in ("gemma3", "llava"):
         return mtype, dict(config)
-    # Gemma 3 multimodal: the language model lives in text_config; token ids and tying sit at the top level.
+    # Multimodal: the language model lives in text_config; token ids and tying may sit at the top level
+    # (LLaVA's vision tower and projector: models/clip_vision.py).
     text = dict(config.get("text_config") or {})
-    tmtype = text.get("model_type", "gemma3_text")
-    if tmtype != "gemma3_text":
-        raise ConfigError(f"gemma3 text_config has model_type {tmtype!r}, expected 'gemma3_text'")
+    tmtype = text.get("model_type", "gemma3_text" if mtype == "gemma3" else "llama")
+    allowed = ("gemma3_text",) if mtype == "gemma3" else LLAVA_TEXT_TYPES
+    if tmtype not in allowed:
+        raise ConfigError(f"{mtype} text_config has model_type {tmtype!r}; supported: {', '.join(allowed)}")
     for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
         if k in config and k not in text:
             text[k] = config[k]
-    return "gemma3_text", text
+    return tmtype, text
 
 
 def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = None) -> ModelConfig:

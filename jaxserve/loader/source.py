@@ -31,7 +31,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "generation_config.json", "preprocessor_config.json")
 # sentence-transformers' pooling / normalisation / length settings (embedding models, models/bert.py)
 EMBEDDING_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
                    "1_Pooling/config.json")

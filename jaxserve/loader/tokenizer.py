@@ -213,6 +213,9 @@ class Tokenizer:
         elif isinstance(ct, list) and ct:  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in ct}
             template = named.get("default") or ct[0].get("template")
+        elif (path / "chat_template.json").is_file():  # a processor's template (llava-hf checkpoints)
+            ct = json.loads((path / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
+            template = ct if isinstance(ct, str) else None
         return cls(tok, bos_token_id=bos, eos_token_ids=eos, pad_token_id=pad, add_bos=bool(add_bos),
                    add_eos=bool(add_eos), chat_template=template)
 

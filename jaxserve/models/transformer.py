@@ -233,13 +233,17 @@ def forward_hidden(cfg: ModelConfig, weights, consts, kv, batch, *, scan_layers:
                    rope_attend: Callable | None = None, moe_impl: str | None = None):
     """Run all layers. Returns (final-normed hidden [T, D], (k_cache, v_cache)).
 
-    batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB].
+    batch: token_ids [T], positions [T], slots [T], token_seq [T], block_tables [S, MB]; multimodal
+    models' mixed steps also mm_embeds [T, D] and mm_mask [T] (rows that replace the token embeddings).
     add_norm: fused residual add + RMSNorm (kernels/rms_norm; default the jnp reference).
     """
     add_norm = add_norm or _add_rms_norm_ref
     layers = weights["layers"]
     dtype = (layers[0] if isinstance(layers, list) else layers)["attn_norm"].dtype
     x = embed(cfg, weights, batch["token_ids"], dtype)
+    if "mm_embeds" in batch:  # multimodal models: image features replace their placeholders' embeddings
+        x = jnp.where(batch["mm_mask"][:, None], batch["mm_embeds"].astype(dtype), x)
+        batch = {k: v for k, v in batch.items() if k not in ("mm_embeds", "mm_mask")}
     if scan_layers:
         # Stacked native CPU weights are not scanned over (a scanned slice feeding a custom call is
         # copied every step): the kernel reads layer `index` of the whole stack in place.

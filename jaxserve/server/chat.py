@@ -10,10 +10,11 @@ from aiohttp import web
 from jaxserve.server import reasoning, structured, tools
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import Generation, Prompt, chat_logprobs, new_id
+from jaxserve.server.images import chat_prompt
 from jaxserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatMessageOut, check_unsupported, dump,
                                       parse_request)
-from jaxserve.server.sampling import chat_params, chat_prompt_ids
+from jaxserve.server.sampling import chat_params
 from jaxserve.server.streaming import SSEWriter, is_disconnect
 
 log = logging.getLogger("jaxserve.server")
@@ -37,8 +38,8 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     if spec is not None and parser:  # the constraint holds for the answer, after the thinking
         spec = dataclasses.replace(spec, after_reasoning=True)
     params = chat_params(state, req, spec)
-    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, funcs, req.chat_template_kwargs)
-    gen = Generation(state, [Prompt(ids)], params, new_id("chatcmpl"), prompt_param="messages")
+    ids, mm = await chat_prompt(state, req.messages, req.add_generation_prompt, funcs, req.chat_template_kwargs)
+    gen = Generation(state, [Prompt(ids, mm=mm)], params, new_id("chatcmpl"), prompt_param="messages")
     gen.submit()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

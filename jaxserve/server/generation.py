@@ -27,6 +27,7 @@ class Prompt:
     ids: list[int]
     text: str | None = None
     rid: str = ""
+    mm: object = None  # a multimodal model's engine/multimodal.MultiModalPrompt (ids = its token ids)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Generation:
             raise APIError(503, "the model is still loading")
         self.stream = aeng.open_stream()
         try:
-            aeng.submit(self.stream, [(p.rid, p.ids, self.params) for p in self.prompts])
+            aeng.submit(self.stream, [(p.rid, p.mm or p.ids, self.params) for p in self.prompts])
         except QueueFull as e:
             raise APIError(429, str(e)) from None
         except EngineStopped as e:

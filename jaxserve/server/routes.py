@@ -15,7 +15,8 @@ from jaxserve.server.embeddings import classify, embeddings, rerank, score
 from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
                                       parse_request)
-from jaxserve.server.sampling import chat_prompt_ids, check_ids
+from jaxserve.server.images import chat_prompt
+from jaxserve.server.sampling import check_ids
 
 STATE = web.AppKey("jaxserve_state", object)
 
@@ -92,7 +93,8 @@ async def tokenize(request: web.Request, state, body) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     if req.messages is not None:
-        ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
+        ids, _ = await chat_prompt(state, req.messages, req.add_generation_prompt,
+                                   template_kwargs=req.chat_template_kwargs)
     else:
         ids = state.engine.tokenizer.encode(req.prompt)
     return web.json_response({"count": len(ids), "max_model_len": state.engine.ecfg.max_model_len,

@@ -152,9 +152,12 @@ def _tool_calls_for_template(calls: list, where: str) -> list[dict]:
     return out
 
 
-def messages_for_template(messages: list[ChatMessage], native_tools: bool = True) -> list[dict]:
+def messages_for_template(messages: list[ChatMessage], native_tools: bool = True,
+                          images: list | None = None) -> list[dict]:
     """The messages as template dicts. native_tools: the template renders tool calls and tool results
-    itself; otherwise they become text in the Hermes format (server/tools.py)."""
+    itself; otherwise they become text in the Hermes format (server/tools.py). images: a list for a
+    multimodal model: every content becomes a list of text and {"type": "image"} parts (as LLaVA's
+    templates take them) and the image sources (URLs) are appended to it in order; None: text only."""
     if not messages:
         raise bad_request("messages must contain at least one message", "messages")
     out = []
@@ -172,6 +175,21 @@ def messages_for_template(messages: list[ChatMessage], native_tools: bool = True
             if getattr(m, f) is not None:
                 raise bad_request(f"'{f}' in messages is not supported", f"{where}.{f}", "unsupported_parameter")
         content = m.content
+        if images is not None and m.role in ("user", "system", "assistant", "developer") and not calls:
+            from jaxserve.loader.image import ImageError, split_content
+
+            parts = [{"type": "text", "text": content or ""}] if not isinstance(content, list) else \
+                [p.model_dump() for p in content]
+            try:
+                parts, srcs = split_content(parts, f"{where}.content")
+            except ImageError as e:
+                raise bad_request(str(e), f"{where}.content") from None
+            images += srcs
+            d = {"role": "system" if m.role == "developer" else m.role, "content": parts}
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+            continue
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -205,10 +223,11 @@ _RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt")
 
 
 def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: bool | None,
-                    funcs: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                    funcs: list[dict] | None = None, template_kwargs: dict | None = None,
+                    images: list | None = None) -> list[int]:
     """The prompt's token ids; funcs: the declared tools (server/tools.check_tools) or None;
     template_kwargs: extra variables for the chat template (vLLM's chat_template_kwargs, e.g.
-    {"enable_thinking": false} for Qwen3)."""
+    {"enable_thinking": false} for Qwen3); images: see messages_for_template."""
     bad = sorted(set(template_kwargs or {}) & set(_RESERVED_TEMPLATE_VARS))
     if bad:
         raise bad_request(f"chat_template_kwargs cannot set {', '.join(bad)} (they are request fields)",
@@ -216,10 +235,14 @@ def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: b
     if state.template is None:
         raise bad_request(f"chat is not available for this model: {state.template_error}", "messages")
     native = tools.uses_tools(state.template.source)
-    msgs = messages_for_template(messages, native)
+    msgs = messages_for_template(messages, native, images)
     if funcs and not native:  # the template cannot show tools: describe them in the system turn
         prompt = tools.system_prompt(funcs)
-        if msgs[0]["role"] == "system":
+        if msgs[0]["role"] == "system" and isinstance(msgs[0]["content"], list):
+            msgs[0] = dict(msgs[0], content=msgs[0]["content"] + [{"type": "text", "text": "\n\n" + prompt}])
+        elif images is not None:
+            msgs.insert(0, {"role": "system", "content": [{"type": "text", "text": prompt}]})
+        elif msgs[0]["role"] == "system":
             msgs[0] = dict(msgs[0], content=f"{msgs[0]['content']}\n\n{prompt}")
         else:
             msgs.insert(0, {"role": "system", "content": prompt})

@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out} exists (use --force)", file=sys.stderr)
         return 2
     from jaxserve.config import ConfigError
-    from jaxserve.engine.llm_engine import open_model
-
+    from tools.convert import open_text_source
     from tools.convert.gguf_export import ExportError, export_gguf
 
     from jaxserve.loader.source import resolve_model
@@ -122,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"wrote {out}")
         return 0
-    src = open_model(args.model, file=args.file, revision=args.revision, packed=False)
+    src = open_text_source(args)
+    if src is None:
+        return 2
     try:
         if args.format == "gguf":
             export_gguf(src, out, dtype, name=Path(args.model).name)

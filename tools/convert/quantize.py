@@ -44,10 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.force)):
         print(f"error: {out} exists and is not an empty directory (use --force)", file=sys.stderr)
         return 2
-    from jaxserve.engine.llm_engine import open_model
     from jaxserve.loader.checkpoint import write_checkpoint
+    from tools.convert import open_text_source
 
-    src = open_model(args.model, file=args.file, revision=args.revision, packed=False)
+    src = open_text_source(args)
+    if src is None:
+        return 2
     shard = int(args.shard_size * (1 << 30)) or None
     write_checkpoint(out, src, fmt, dtype=args.dtype, source_name=args.model, shard_bytes=shard)
     print(f"wrote {out} ({fmt}); run it with: jaxserve run --model {out}")

@@ -1,0 +1,85 @@
+"""Image inputs of a prompt, host side (no JAX).
+
+A multimodal prompt is its token ids with each image's placeholder token expanded to one token per
+projected feature row, plus, per image, where its run starts, the preprocessed pixels and a content
+hash. The runner encodes an image when a step first needs its rows (models/clip_vision.py) and the
+step's embeddings of those positions are replaced by the features; the features are shared by the
+request's n choices and dropped once all of them are past the images (a recompute after preemption
+encodes an image again).
+The prefix cache keys the blocks of a placeholder run on the image's hash (block_extra), so two
+images never share blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class MultiModalError(ValueError):
+    """A prompt whose images and placeholders do not fit together: the request's fault."""
+
+    param = "prompt"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    offset: int  # position of the first placeholder token in the prompt
+    length: int  # placeholder tokens = feature rows
+    pixels: np.ndarray  # preprocessed [C, H, W] float32
+    hash: bytes
+
+
+@dataclass
+class MultiModalPrompt:
+    token_ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+    text: str | None = None
+    # image index -> projected features (host array), filled by the runner when a step first needs them
+    # and dropped by the engine once every sequence of the request is past the images
+    features: dict = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        """The position after the last image's run: prefill past it no longer needs any feature."""
+        return max((im.offset + im.length for im in self.images), default=0)
+
+
+def expand_placeholders(ids: list[int], pixels: list[np.ndarray], hashes: list[bytes], image_token_id: int,
+                        num_features: int, text: str | None = None) -> MultiModalPrompt:
+    """Each lone image placeholder in ids becomes num_features of them, one image per placeholder in
+    order."""
+    where = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(where) != len(pixels):
+        raise MultiModalError(f"the prompt has {len(where)} image placeholder token(s) (id {image_token_id}) "
+                              f"for {len(pixels)} image(s): one placeholder per image")
+    out: list[int] = []
+    images = []
+    prev = 0
+    for i, px, h in zip(where, pixels, hashes):
+        out += ids[prev:i]
+        images.append(ImageInput(len(out), num_features, px, h))
+        out += [image_token_id] * num_features
+        prev = i + 1
+    out += ids[prev:]
+    return MultiModalPrompt(out, images, text)
+
+
+def block_extra(mm: MultiModalPrompt | None, lo: int, hi: int) -> bytes:
+    """The hashes of the images whose placeholder runs overlap positions [lo, hi): mixed into that
+    block's prefix-cache hash."""
+    if mm is None:
+        return b""
+    return b"".join(im.hash for im in mm.images if im.offset < hi and lo < im.offset + im.length)
+
+
+def overrides(mm: MultiModalPrompt, start: int, n: int):
+    """For the positions [start, start + n) of a step: (image index, first feature row, first position
+    relative to start, rows) of every image run they overlap."""
+    out = []
+    for j, im in enumerate(mm.images):
+        lo, hi = max(start, im.offset), min(start + n, im.offset + im.length)
+        if lo < hi:
+            out.append((j, lo - im.offset, lo - start, hi - lo))
+    return out
