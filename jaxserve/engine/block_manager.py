@@ -9,7 +9,8 @@ the tokens of all blocks up to it (so equal hashes mean equal whole prefixes). A
 whose prompt starts with the same full blocks takes those blocks (ref count + 1) instead of
 recomputing them. A named block whose ref count drops to 0 keeps its contents and waits in an LRU
 of evictable blocks; allocation uses truly free blocks first and only then evicts the least
-recently used cached block.
+recently used cached block. A sequence run with a LoRA adapter starts its chain from the adapter's
+own root, so the base model and each adapter have separate caches (their K/V differ).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def hash_block(prev: bytes | None, tokens) -> bytes:
     h.update(prev or b"\0" * 16)
     h.update(array("q", tokens).tobytes())
     return h.digest()
+
+
+def chain_root(seq: Sequence) -> bytes | None:
+    """Where seq's hash chain starts: None for the base model, a value of its own per LoRA adapter."""
+    if not seq.lora_slot:
+        return None
+    return hashlib.blake2b(f"lora-slot:{seq.lora_slot}".encode(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -144,7 +152,7 @@ class BlockManager:
         bs = self.block_size
         toks = seq.all_token_ids
         max_blocks = (len(toks) - 1) // bs
-        blocks, hashes, prev = [], [], None
+        blocks, hashes, prev = [], [], chain_root(seq)
         for i in range(max_blocks):
             h = hash_block(prev, toks[i * bs:(i + 1) * bs])
             b = self._hash_block.get(h)
@@ -224,7 +232,7 @@ class BlockManager:
         if len(hashes) >= full:
             return
         toks = seq.all_token_ids
-        prev = hashes[-1] if hashes else None
+        prev = hashes[-1] if hashes else chain_root(seq)
         for i in range(len(hashes), full):
             h = hash_block(prev, toks[i * bs:(i + 1) * bs])
             hashes.append(h)

@@ -49,6 +49,8 @@ class Sequence:
     sample_seed: int = 0  # noise comes from (sample_seed, position) only
     # structured output: the GrammarMatcher that masks this sequence's next token (structured.py)
     matcher: object | None = None
+    # multi-LoRA: the adapter it runs with (1..N, the engine's lora_modules in order; 0 = the base model)
+    lora_slot: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
