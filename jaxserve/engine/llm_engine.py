@@ -192,8 +192,8 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     from jaxserve.loader import lora as lora_mod
 
     if lora_modules:  # read and checked before the (long) weight load
-        stacks, _ = lora_mod.stack_adapters([lora_mod.open_adapter(p, cfg) for _, p in lora_modules], cfg,
-                                            max_lora_rank)
+        stacks = lora_mod.stack_adapters([lora_mod.open_adapter(p, cfg) for _, p in lora_modules], cfg,
+                                         max_lora_rank)
     mesh, rules, shardings = _placement(cfg, tp, devices, dp)
     stream = src.tensors()
     if lora:
@@ -380,6 +380,8 @@ class LLMEngine:
         self.model = lm
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
         # multi-LoRA: a request's adapter name -> its slot (1..N) in the weights' stacks
+        if lm.mesh is not None:  # a model loaded elsewhere onto a mesh
+            check_lora_layout(ecfg.lora_modules, devices=lm.mesh.devices)
         self.lora_paths = dict(ecfg.lora_modules)
         if tuple(self.lora_paths) != lm.lora_names:
             raise ValueError(f"the engine config's lora_modules {list(self.lora_paths)} are not the adapters "

@@ -152,14 +152,13 @@ def target_dims(cfg, name: str) -> tuple[int, int]:
     return {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, I), "up": (D, I), "down": (I, D)}[name]
 
 
-def stack_adapters(adapters: list[LoraAdapter], cfg, max_rank: int | None = None) -> tuple[dict, int]:
-    """The adapters' updates stacked for serving them side by side: ({target: {"a": [L, in, 1, N, R],
-    "b": [L, 1, N, R, out]}} float32, R). Adapter n (0-based here; slot n + 1 for requests, slot 0 =
+def stack_adapters(adapters: list[LoraAdapter], cfg, max_rank: int | None = None) -> dict:
+    """The adapters' updates stacked for serving them side by side: {target: {"a": [L, in, 1, N, R],
+    "b": [L, 1, N, R, out]}} float32. Adapter n (0-based here; slot n + 1 for requests, slot 0 =
     no adapter) fills index n of the N axis; ranks are zero-padded to R (max_rank, or the largest
     rank); the scale is folded into B; layers or targets an adapter does not touch stay zero. The
     axis of size 1 is the part axis of fused projections (models/lora.fuse)."""
-    rank = max((a.shape[0] for ad in adapters for a, _, _ in ad.deltas.values()), default=0)
-    R = max_rank or rank
+    R = max_rank or max(a.shape[0] for ad in adapters for a, _, _ in ad.deltas.values())
     for ad in adapters:
         for (canon, layer), (a, b, _) in ad.deltas.items():
             name = canon.split(".", 1)[1]
@@ -188,4 +187,4 @@ def stack_adapters(adapters: list[LoraAdapter], cfg, max_rank: int | None = None
                     a_st[layer, :, 0, n, :r] = a.T
                     b_st[layer, 0, n, :r, :] = np.float32(scale) * b.T
         out[name] = {"a": a_st, "b": b_st}
-    return out, R
+    return out
