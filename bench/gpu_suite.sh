@@ -9,7 +9,7 @@
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
-#                                               moe moe-kernels fused-ab kv-fp8 moe-packed
+#                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -95,6 +95,10 @@ for part in "$@"; do
     # An fp8 (e4m3) K/V cache for the bf16 model (session 16): half the K/V bytes read per step
     kv-fp8) timeout 240 python3 bench/kernels_gpu.py --only check 2>&1 | grep -E "fp8|fused|FAIL|ERROR" | head -30
             tp 300 --workloads 1x4096x256,1x32768x256,32x1024x128 --runs 3 --kv-dtype fp8 | tail -5 ;;
+    # Multi-LoRA (not yet run on a GPU): 4 random adapters of rank 16 on every projection against none
+    # (prompts cycle over the adapters and the base model; bs1 runs adapter a0)
+    lora) tp 280 --workloads 1x4096x256,32x1024x128 --runs 3 | tail -3
+          tp 280 --workloads 1x4096x256,32x1024x128 --runs 3 --lora 4:16 | tail -3 ;;
     fused-ab) tp 300 --workloads 1x4096x256,32x1024x128 --runs 3 --fused-decode-attention on,off,on,off \
                 --tokens-digest | tail -14
               tp 200 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest \

@@ -10,6 +10,8 @@ EOS ignored), all submitted at once (continuous batching does the rest). Per run
   * decode phase: from then until the last token; decode tok/s = N*(O-1) / that (the "decode-only"
     figure llama-batched-bench prints as S_TG).
 The first run of each workload compiles its programs (warm-up, not counted); figures are medians.
+`--lora N:R` serves N random LoRA adapters of rank R on every attention and MLP projection
+(multi-LoRA, models/lora.py); prompt j runs with adapter j mod (N + 1) (the last: the base model).
 Imports jax, numpy, jaxserve and `tokenizers` only (the engine's detokeniser needs it).
 """
 
@@ -38,7 +40,7 @@ def parse_workloads(spec: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def timed_generate(llm, prompts, params):
+def timed_generate(llm, prompts, params, loras=None):
     """generate(), recording when each sequence got its first token."""
     eng = llm.engine
     first: dict[int, float] = {}
@@ -55,11 +57,30 @@ def timed_generate(llm, prompts, params):
     eng.step = step
     try:
         t0 = time.perf_counter()
-        res = llm.generate(prompts, params)
+        res = llm.generate(prompts, params, lora_request=loras)
         t1 = time.perf_counter()
     finally:
         eng.step = orig
     return res, t0, max(first.values()), t1
+
+
+def with_random_adapters(lm, n: int, rank: int, dtype: str):
+    """lm with n random LoRA adapters of `rank` on every served target (what loader/lora.stack_adapters
+    makes from adapter files), named a0, a1, ..."""
+    import dataclasses
+
+    from jaxserve.loader.lora import SERVED_TARGETS, target_dims
+    from jaxserve.models.lora import attach
+
+    rng = np.random.default_rng(7)
+    L = lm.cfg.num_layers
+    stacks = {}
+    for t in SERVED_TARGETS:
+        i, o = target_dims(lm.cfg, t)
+        stacks[t] = {"a": (rng.standard_normal((L, i, 1, n, rank), np.float32) * i ** -0.5),
+                     "b": (rng.standard_normal((L, 1, n, rank, o), np.float32) * 0.01)}
+    return dataclasses.replace(lm, weights=attach(lm.weights, stacks, dtype),
+                               lora_names=tuple(f"a{k}" for k in range(n)))
 
 
 def main(argv=None):
@@ -113,6 +134,8 @@ def main(argv=None):
     ap.add_argument("--timeline", action="store_true",
                     help="after each workload's runs, one more under jax.profiler: per program, device "
                          "time and the idle gap before it (GPU)")
+    ap.add_argument("--lora", default=None, metavar="N:R",
+                    help="serve N random LoRA adapters of rank R on every attention/MLP projection")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     args = ap.parse_args(argv)
 
@@ -156,6 +179,8 @@ def main(argv=None):
                              weights=random_packed_layers(cfg, args.quant, args.dtype,
                                                           head_fmt="q6k" if args.quant == "q4k" else None),
                              name=RANDOM_PREFIX + args.config, mesh=None, rules=None)
+        if args.lora:
+            lm = with_random_adapters(lm, *map(int, args.lora.split(":")), args.dtype)
         jax.block_until_ready(lm.weights)
         print(f"# weights built in {time.perf_counter() - t:.1f}s (tp={tp})", flush=True)
         return lm
@@ -167,7 +192,8 @@ def main(argv=None):
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_n, prefill_chunk_size=args.chunk,
                         token_buckets=(args.chunk,), seq_buckets=seq_buckets, dtype=args.dtype,
                         decode_steps=max(ks), enable_prefix_cache=False, num_blocks=1,
-                        int8_activations=args.int8_activations, kv_dtype=args.kv_dtype)
+                        int8_activations=args.int8_activations, kv_dtype=args.kv_dtype,
+                        lora_modules=tuple((n, "random") for n in lm.lora_names))
     need_blocks = max_n * -(-max_len // ecfg.block_size) + 2
     ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
     print(f"# KV cache: {need_blocks} blocks, {need_blocks * kv_bytes_per_block(lm.cfg, ecfg) / 2**30:.1f} GiB",
@@ -235,7 +261,9 @@ def main(argv=None):
         for r in range(args.runs + 1):
             prompts = [[int(x) for x in rng.integers(256, lm.cfg.vocab_size, i)] for _ in range(n)]
             t = time.perf_counter()
-            res, t0, tp, t1 = timed_generate(llm, prompts, params)
+            slots = [*lm.lora_names, None]
+            res, t0, tp, t1 = timed_generate(llm, prompts, params,
+                                             [slots[j % len(slots)] for j in range(n)] if lm.lora_names else None)
             assert all(len(x.outputs[0].token_ids) == o for x in res)
             if r == 0:
                 print(f"# {n}x{i}x{o}: warm-up run (compiles) {time.perf_counter() - t:.1f}s", flush=True)

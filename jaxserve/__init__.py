@@ -4,10 +4,10 @@ from jaxserve import xla_flags
 
 xla_flags.apply()  # before JAX starts its backend: measured XLA flags (xla_flags.py)
 
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import LoRARequest, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):

@@ -39,6 +39,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}')")
     g.add_argument("--lora", action="append", default=None, metavar="DIR",
                    help="a PEFT LoRA adapter directory merged into the weights at load (repeat for several)")
+    g.add_argument("--lora-modules", action="append", nargs="+", type=_lora_module, default=None,
+                   metavar="NAME=DIR",
+                   help="serve PEFT LoRA adapters beside the base model (multi-LoRA, as vLLM's): requests pick "
+                        "one by its name as their model, /v1/models lists them (repeatable; one device)")
+    g.add_argument("--max-lora-rank", type=int, default=None,
+                   help="rank the --lora-modules adapters are padded to (default: their largest rank)")
     g.add_argument("--isq", default=None, metavar="FMT",
                    help="quantize dense matmul weights at load: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k")
     g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
@@ -91,6 +97,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--seed", type=int, default=None)
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not (sep and name.strip() and path.strip()):
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR (an adapter name and its directory), got {text!r}")
+    return name.strip(), path.strip()
+
+
 def _json_object(text: str) -> dict:
     import json
 
@@ -140,6 +153,10 @@ def engine_config_from_args(args):
         kw["isq"] = args.isq
     if getattr(args, "lora", None):
         kw["lora"] = tuple(args.lora)
+    if getattr(args, "lora_modules", None):
+        kw["lora_modules"] = tuple(m for group in args.lora_modules for m in group)
+    if getattr(args, "max_lora_rank", None) is not None:
+        kw["max_lora_rank"] = args.max_lora_rank
     if getattr(args, "packed", "auto") != "auto":
         kw["packed_weights"] = args.packed == "on"
     if getattr(args, "int8_activations", False):
@@ -329,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     level = getattr(args, "server_log_level", None) or args.log_level
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jaxserve.config import ConfigError
+    from jaxserve.loader.lora import LoraError
     from jaxserve.loader.source import ModelNotFoundError
 
     if (getattr(args, "num_nodes", None) or 1) > 1:
@@ -350,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         return args.func(args) or 0
-    except (ConfigError, ModelNotFoundError) as e:
+    except (ConfigError, ModelNotFoundError, LoraError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
 

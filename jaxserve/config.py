@@ -195,6 +195,29 @@ KV_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float1
              "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 
 
+def _lora_modules(spec) -> tuple[tuple[str, str], ...]:
+    """lora_modules as (name, directory) pairs from a dict, pairs or "name=dir" strings; names unique."""
+    if isinstance(spec, str):
+        raise ConfigError(f"lora_modules must be a list of name=dir entries or a dict, got the string {spec!r}")
+    items = spec.items() if isinstance(spec, dict) else spec
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise ConfigError(f"lora_modules: {item!r} is not name=path")
+            item = (name, path)
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(v, str) for v in item)):
+            raise ConfigError(f"lora_modules: {item!r} is not a (name, adapter directory) pair")
+        name, path = item[0].strip(), item[1].strip()
+        if not name or not path or "=" in name:
+            raise ConfigError(f"lora_modules: {item!r} needs a name (without '=') and an adapter directory")
+        if any(n == name for n, _ in out):
+            raise ConfigError(f"lora_modules: the name {name!r} is given twice")
+        out.append((name, path))
+    return tuple(out)
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -241,6 +264,12 @@ class EngineConfig:
     packed_weights: bool | None = None  # keep quantized weights packed on the device; None: on a GPU
     isq: str | None = None  # quantize dense matmul weights at load (ISQ_FORMATS)
     lora: tuple[str, ...] = ()  # PEFT LoRA adapter directories merged into the weights at load (loader/lora.py)
+    # Multi-LoRA serving (vLLM's --lora-modules): (name, adapter directory) pairs, loaded at start-up; each
+    # request picks one by name (or none). A dict {name: dir} or "name=dir" strings are accepted too.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    # The rank the adapters' A/B are padded to (part of every compiled shape). None: the largest rank of
+    # the adapters; an adapter of a larger rank is refused at load.
+    max_lora_rank: int | None = None
     # One kernel for RoPE + K/V cache write. None: on with one GPU device (+2% bs1 decode on the H200,
     # 195.7 vs 192.1 tok/s), off on CPU (the reference path either way) and over a mesh.
     fused_rope_kv: bool | None = None
@@ -275,6 +304,12 @@ class EngineConfig:
         if isinstance(self.lora, str) or not all(isinstance(p, str) and p for p in self.lora):
             raise ConfigError(f"lora must be a list of adapter directories, got {self.lora!r}")
         object.__setattr__(self, "lora", tuple(self.lora))
+        object.__setattr__(self, "lora_modules", _lora_modules(self.lora_modules))
+        if self.max_lora_rank is not None:
+            if not self.lora_modules:
+                raise ConfigError("max_lora_rank bounds the adapters of lora_modules, and none are configured")
+            if self.max_lora_rank < 1:
+                raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.isq is not None and self.isq not in ISQ_FORMATS:
             raise ConfigError(f"isq must be one of {', '.join(ISQ_FORMATS)}, got {self.isq!r}")
         if self.int8_activations and self.packed_weights is False:

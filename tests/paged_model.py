@@ -7,6 +7,7 @@ import numpy as np
 from jaxserve.models import transformer as tf
 
 BS = 4  # small blocks so sequences span many of them
+_RUNS: dict = {}
 
 
 class PagedModel:
@@ -21,14 +22,18 @@ class PagedModel:
         self.tables: dict[int, list[int]] = {}
         self.max_blocks = max_blocks
 
-        def run(weights, consts, kv, batch, scan):
-            h, kv = tf.forward_hidden(cfg, weights, consts, kv, batch, scan_layers=scan, qmm=qmm, **kernels)
-            return jax.nn.log_softmax(tf.logits_from_hidden(cfg, weights, h, qmm=qmm), axis=-1), kv
+        key = (cfg, qmm, tuple(sorted(kernels.items())))
+        if key not in _RUNS:  # one jitted function per model: same-shaped steps of other weights reuse it
+            def run(weights, consts, kv, batch, scan):
+                h, kv = tf.forward_hidden(cfg, weights, consts, kv, batch, scan_layers=scan, qmm=qmm, **kernels)
+                return jax.nn.log_softmax(tf.logits_from_hidden(cfg, weights, h, qmm=qmm), axis=-1), kv
 
-        self._run = jax.jit(run, static_argnums=(4,))
+            _RUNS[key] = jax.jit(run, static_argnums=(4,))
+        self._run = _RUNS[key]
 
-    def step(self, chunks: list[tuple[int, list[int], int]], scan=True):
-        """chunks: (seq id, token ids, start position). Returns log_softmax per chunk."""
+    def step(self, chunks: list[tuple[int, list[int], int]], scan=True, extra: dict | None = None):
+        """chunks: (seq id, token ids, start position). Returns log_softmax per chunk. extra: more batch
+        entries (e.g. multi-LoRA's lora_onehot)."""
         ids, pos, seq_of, slots = [], [], [], []
         seq_ids = [c[0] for c in chunks]
         for i, (sid, toks, start) in enumerate(chunks):
@@ -45,7 +50,7 @@ class PagedModel:
             tables[i, :len(self.tables[sid])] = self.tables[sid]
         batch = {"token_ids": jnp.asarray(ids, jnp.int32), "positions": jnp.asarray(pos, jnp.int32),
                  "token_seq": jnp.asarray(seq_of, jnp.int32), "slots": jnp.asarray(slots, jnp.int32),
-                 "block_tables": jnp.asarray(tables)}
+                 "block_tables": jnp.asarray(tables), **(extra or {})}
         lp, self.kv = self._run(self.weights, self.consts, self.kv, batch, scan)
         lp = np.asarray(lp)
         out, t = [], 0

@@ -34,7 +34,7 @@ class FakeEngine:
         if not ids:
             raise SamplingParamsError("the prompt is empty", "prompt")
 
-    def add_request(self, rid, ids, params, arrival_time=None):
+    def add_request(self, rid, ids, params, arrival_time=None, lora_request=None):
         import threading
 
         self.thread_ids.add(threading.get_ident())

@@ -6,6 +6,7 @@ step are handed back to the event loop with a single `call_soon_threadsafe` per 
 
     stream = aengine.open_stream()
     aengine.submit(stream, [(request_id, prompt_ids, params)])   # raises at once on a bad request
+                                                                  # (lora_request=: an adapter name)
     async for request_id, out in stream: ...                      # SeqOutput deltas; ends by itself
 """
 
@@ -181,13 +182,16 @@ class AsyncEngine:
         return RequestStream(self)
 
     def submit(self, stream: RequestStream,
-               requests: list[tuple[str, list[int], SamplingParams]]) -> None:
+               requests: list[tuple[str, list[int], SamplingParams]], lora_request=None) -> None:
         """Validate then enqueue requests, all or none. Raises at once:
-        EngineStopped (503), QueueFull (429), or the engine's ValueError for a bad request (400)."""
+        EngineStopped (503), QueueFull (429), or the engine's ValueError for a bad request (400).
+        lora_request: the LoRA adapter (a name of the engine's lora_modules) all of them run with."""
         if not self._accepting or self._stop:
             raise EngineStopped("the server is shutting down" if self._thread else "the engine is not running")
         for _, ids, params in requests:
             self.engine.validate(ids, params)  # read-only: safe beside a running step
+        if lora_request is not None:
+            self.engine.lora_slot(lora_request)
         if 0 < self.max_queue < len(requests):  # could never be queued: not worth a retry
             raise SamplingParamsError(f"{len(requests)} prompts in one request exceed the queue limit "
                                       f"({self.max_queue}); send fewer at a time", "prompt")
@@ -200,7 +204,7 @@ class AsyncEngine:
         self._num_live += len(requests)
         with self._cv:
             for rid, ids, params in requests:
-                self._inbox.append(("add", rid, ids, params, stream, arrival))
+                self._inbox.append(("add", rid, ids, params, stream, arrival, lora_request))
             self._cv.notify()
 
     def abort(self, request_id: str) -> None:
@@ -273,8 +277,8 @@ class AsyncEngine:
     def _handle(self, cmd: tuple, out: list) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, ids, params, stream, arrival = cmd
-            seqs = self.engine.add_request(rid, ids, params, arrival_time=arrival)
+            _, rid, ids, params, stream, arrival, lora = cmd
+            seqs = self.engine.add_request(rid, ids, params, arrival_time=arrival, lora_request=lora)
             self._live[rid] = _Live(stream, seqs)
         elif kind == "abort":
             self._abort(cmd[1], out)

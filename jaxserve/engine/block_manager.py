@@ -9,7 +9,8 @@ the tokens of all blocks up to it (so equal hashes mean equal whole prefixes). A
 whose prompt starts with the same full blocks takes those blocks (ref count + 1) instead of
 recomputing them. A named block whose ref count drops to 0 keeps its contents and waits in an LRU
 of evictable blocks; allocation uses truly free blocks first and only then evicts the least
-recently used cached block.
+recently used cached block. A sequence run with a LoRA adapter starts its chain from the adapter's
+own root, so the base model and each adapter have separate caches (their K/V differ).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def hash_block(prev: bytes | None, tokens, extra: bytes = b"") -> bytes:
 
 def _block_hash(seq: Sequence, prev: bytes | None, toks, i: int, bs: int) -> bytes:
     return hash_block(prev, toks[i * bs:(i + 1) * bs], block_extra(seq.mm, i * bs, (i + 1) * bs))
+
+
+def chain_root(seq: Sequence) -> bytes | None:
+    """Where seq's hash chain starts: None for the base model, a value of its own per LoRA adapter."""
+    if not seq.lora_slot:
+        return None
+    return hashlib.blake2b(f"lora-slot:{seq.lora_slot}".encode(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -151,7 +159,7 @@ class BlockManager:
         bs = self.block_size
         toks = seq.all_token_ids
         max_blocks = (len(toks) - 1) // bs
-        blocks, hashes, prev = [], [], None
+        blocks, hashes, prev = [], [], chain_root(seq)
         for i in range(max_blocks):
             h = _block_hash(seq, prev, toks, i, bs)
             b = self._hash_block.get(h)
@@ -231,7 +239,7 @@ class BlockManager:
         if len(hashes) >= full:
             return
         toks = seq.all_token_ids
-        prev = hashes[-1] if hashes else None
+        prev = hashes[-1] if hashes else chain_root(seq)
         for i in range(len(hashes), full):
             h = _block_hash(seq, prev, toks, i, bs)
             hashes.append(h)

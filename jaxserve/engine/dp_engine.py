@@ -216,12 +216,13 @@ class DataParallelEngine:
         return min(range(self.dp), key=cost)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> list[Sequence]:
+                    arrival_time: float | None = None, lora_request=None) -> list[Sequence]:
         if request_id in self._where:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         r = self.pick_replica(prompt_ids)
-        seqs = self.replicas[r].add_request(request_id, prompt_ids, params, arrival_time=arrival_time)
+        seqs = self.replicas[r].add_request(request_id, prompt_ids, params, arrival_time=arrival_time,
+                                            lora_request=lora_request)  # (lora_modules: one device only)
         self._where[request_id] = r
         return seqs
 

@@ -82,8 +82,8 @@ class LLM:
         if is_embedding_model(model, revision, task, hf_overrides):  # embed / rerank / score / classify only
             if (tensor_parallel_size or 1) != 1 or data_parallel_size != 1 or num_nodes != 1:
                 raise ValueError("embedding models run on one device")
-            if engine_kwargs.get("lora"):
-                raise ValueError("lora adapters are merged into generative models only")
+            if engine_kwargs.get("lora") or engine_kwargs.get("lora_modules"):
+                raise ValueError("lora adapters apply to generative models only")
             kw = {k: engine_kwargs[k] for k in ("dtype", "max_model_len") if k in engine_kwargs}
             self.engine = EmbeddingEngine(model, revision=revision, task=task, hf_overrides=hf_overrides, **kw)
             self.is_follower, self.tokenizer = False, self.engine.tokenizer
@@ -163,7 +163,7 @@ class LLM:
         if getattr(self.engine, "is_embedding", False):
             raise ValueError(f"{self.engine.model.name} is an embedding model: use LLM.embed")
 
-    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool):
+    def _run(self, prompts: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool, loras: list):
         from tqdm import tqdm
 
         self._need_generative()
@@ -172,9 +172,9 @@ class LLM:
 
         eng = self.engine
         order, seqs_of = [], {}
-        for p, sp in zip(prompts, params):
+        for p, sp, lr in zip(prompts, params, loras):
             rid = f"offline-{next(self._ids)}"
-            seqs_of[rid] = eng.add_request(rid, p, sp)
+            seqs_of[rid] = eng.add_request(rid, p, sp, lora_request=lr)
             order.append((rid, p))
         texts: dict[int, list[str]] = {}
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
@@ -207,10 +207,12 @@ class LLM:
 
     def generate(self, prompts: str | dict | list[str] | list[dict] | list[list[int]] | list[int],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
         """prompts: texts, token-id lists, or (vLLM's shape) dicts {"prompt": text or
         "prompt_token_ids": ids, "multi_modal_data": {"image": a PIL image or a list of them}} for a
-        multimodal model, one image per image placeholder in the prompt."""
+        multimodal model, one image per image placeholder in the prompt.
+        lora_request: a LoRARequest (or adapter name) of the engine's lora_modules for every prompt, or a
+        list of them (None entries: the base model), one per prompt; the prompts run in one batch."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [self._prompt_from_dict(p) if isinstance(p, dict) else p for p in prompts]
@@ -220,7 +222,10 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        return self._run(prompts, list(sampling_params), use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} lora requests")
+        return self._run(prompts, list(sampling_params), use_tqdm, loras)
 
     def _prompt_from_dict(self, p: dict):
         unknown = set(p) - {"prompt", "prompt_token_ids", "multi_modal_data"}
@@ -248,7 +253,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
         self._need_generative()
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
@@ -268,14 +273,15 @@ class LLM:
                 images += [load_source(x) for x in srcs]
             text = self.apply_chat_template(msgs, tools, add_generation_prompt)
             prompts.append(self.engine.multimodal_prompt(self.tokenizer.encode(text), images, text))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def score(self, texts: str | list[str], use_tqdm: bool = False) -> list[ScoreOutput]:
-        """Per-token log-probabilities of each text under the model (batch scoring, perplexity)."""
+    def score(self, texts: str | list[str], use_tqdm: bool = False, lora_request=None) -> list[ScoreOutput]:
+        """Per-token log-probabilities of each text under the model, or under an adapter of lora_modules
+        (lora_request as in generate) (batch scoring, perplexity)."""
         if isinstance(texts, str):
             texts = [texts]
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        outs = self.generate(list(texts), params, use_tqdm)
+        outs = self.generate(list(texts), params, use_tqdm, lora_request)
         res = []
         for text, o in zip(texts, outs):
             lps = [None] + [lp for lp, _ in o.prompt_logprobs[1:]]

@@ -44,6 +44,17 @@ class LoadedModel:
     mesh: Any = None
     rules: dict | None = None
     vision: Any = None  # a multimodal model's image encoder (loader/vision_weights.VisionModel)
+    lora_names: tuple[str, ...] = ()  # multi-LoRA: the adapters stacked in the weights (slot n = name n-1)
+
+
+def check_lora_layout(lora_modules, tp: int | None = 1, dp: int = 1, devices=None, num_nodes: int = 1) -> None:
+    """Multi-LoRA serving runs on one device (its adapter stacks are not sharded)."""
+    if lora_modules and (tp != 1 or dp != 1 or devices is not None or num_nodes != 1):
+        from jaxserve.config import ConfigError
+
+        raise ConfigError("lora_modules (multi-LoRA serving) runs on one device: tensor or data parallelism, "
+                          "device lists and multi-host are not supported with it (--lora merges an adapter "
+                          "and works with all of them)")
 
 
 @dataclass
@@ -140,7 +151,8 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                dtype: str = "float32",
                yarn_scaling_factor: float | None = None, revision: str | None = None,
                tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
-               isq: str | None = None, lm_head: bool = True, lora: tuple[str, ...] = ()) -> LoadedModel:
+               isq: str | None = None, lm_head: bool = True, lora: tuple[str, ...] = (),
+               lora_modules: tuple[tuple[str, str], ...] = (), max_lora_rank: int | None = None) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device.
 
     tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
@@ -150,7 +162,9 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     it cannot be built); True on CPU keeps QWeights on the jnp reference path (exact, slow: checks);
     isq: quantize dense matmul weights into that format at load (packed, or dequantized when not).
     lm_head False: see open_model. lora: PEFT LoRA adapter directories merged into the weights
-    (loader/lora.py), before any ISQ."""
+    (loader/lora.py), before any ISQ. lora_modules: (name, directory) adapters served side by side
+    (multi-LoRA, one device): read and checked before the weights, stacked into the layers' `lora`
+    subtree (models/lora.py) padded to max_lora_rank (None: the largest rank)."""
     import jax
     import jax.numpy as jnp
 
@@ -165,7 +179,10 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     elif packed and (tp > 1 or dp > 1):
         raise ValueError("packed quantized weights run on one device: use packed_weights=False (--packed off) "
                          "with tensor or data parallelism")
+    check_lora_layout(lora_modules, tp, dp, devices)
     if model and model.startswith(RANDOM_PREFIX):
+        if lora_modules:
+            raise ValueError("lora_modules need a model with real weights (a random: model has no adapters)")
         return random_model(model[len(RANDOM_PREFIX):], dtype=dtype, tp=tp, devices=devices, dp=dp)
     src = open_model(model, file=file, weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
                      revision=revision, packed=packed, lm_head=lm_head)
@@ -177,11 +194,14 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
         native = _native_cpu_available()
         packed = native
     cfg = src.cfg
+    from jaxserve.loader import lora as lora_mod
+
+    if lora_modules:  # read and checked before the (long) weight load
+        stacks = lora_mod.stack_adapters([lora_mod.open_adapter(p, cfg) for _, p in lora_modules], cfg,
+                                         max_lora_rank)
     mesh, rules, shardings = _placement(cfg, tp, devices, dp)
     stream = src.tensors()
     if lora:
-        from jaxserve.loader import lora as lora_mod
-
         stream = lora_mod.merge(stream, [lora_mod.open_adapter(p, cfg) for p in lora])
     if isq:
         from jaxserve.quant.stream import quantize_stream
@@ -193,7 +213,11 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                           packed=packed and (src.kind == "gguf" or bool(isq) or bool(src.prequantized)))
     if native:
         weights = _to_native_cpu(cfg, src, weights)
-    name = model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if lora_modules:
+        from jaxserve.models.lora import attach
+
+        weights = attach(weights, stacks, jnp.dtype(dtype))
+    name = model or DEFAULT_MODEL
     vision = None
     if src.vision is not None and lm_head:
         from jaxserve.loader.vision_weights import load_vision
@@ -202,7 +226,11 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
             raise ValueError("multimodal models run on one device (no tensor or data parallelism)")
         vision = load_vision(src.model_dir, src.vision, dtype)
     return LoadedModel(cfg=cfg, tokenizer=src.tokenizer, weights=weights, name=name,
-                       generation_defaults=src.generation_defaults, mesh=mesh, rules=rules, vision=vision)
+                       generation_defaults=src.generation_defaults, mesh=mesh, rules=rules,
+                       lora_names=tuple(n for n, _ in lora_modules), vision=vision)
+
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model's name when none is given
 
 
 RANDOM_PREFIX = "random:"
@@ -357,11 +385,19 @@ class LLMEngine:
         lm = model if isinstance(model, LoadedModel) else load_model(
             model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
             yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices,
-            packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora)
+            packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora, lora_modules=ecfg.lora_modules,
+            max_lora_rank=ecfg.max_lora_rank)
         self.load_seconds = time.perf_counter() - t0
         log.info("model %s loaded in %.1fs", getattr(model, "name", model), self.load_seconds)
         self.model = lm
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
+        # multi-LoRA: a request's adapter name -> its slot (1..N) in the weights' stacks
+        if lm.mesh is not None:  # a model loaded elsewhere onto a mesh
+            check_lora_layout(ecfg.lora_modules, devices=lm.mesh.devices)
+        self.lora_paths = dict(ecfg.lora_modules)
+        if tuple(self.lora_paths) != lm.lora_names:
+            raise ValueError(f"the engine config's lora_modules {list(self.lora_paths)} are not the adapters "
+                             f"the loaded model carries {list(lm.lora_names)} (load_model(..., lora_modules=...))")
         if ecfg.max_model_len > lm.cfg.max_position_embeddings and not lm.cfg.rope_scaling:
             log.warning("max_model_len %d exceeds the model's %d positions", ecfg.max_model_len,
                         lm.cfg.max_position_embeddings)
@@ -472,9 +508,25 @@ class LLMEngine:
                                    v.num_features, text if text is not None else
                                    prompt if isinstance(prompt, str) else None)
 
+    def lora_slot(self, lora_request) -> int:
+        """The adapter slot of a request's lora_request: a LoRARequest or an adapter name of lora_modules
+        (None: the base model, slot 0). Read-only: the server checks requests with it."""
+        if lora_request is None:
+            return 0
+        name = getattr(lora_request, "lora_name", lora_request)
+        if name not in self.lora_paths:
+            raise SamplingParamsError(f"no LoRA adapter named {name!r} is loaded (lora_modules: "
+                                      f"{', '.join(self.lora_paths) or 'none'})", "model")
+        path = getattr(lora_request, "lora_path", None)
+        if path and Path(path).expanduser().resolve() != Path(self.lora_paths[name]).expanduser().resolve():
+            raise SamplingParamsError(f"the adapter {name!r} is loaded from {self.lora_paths[name]}, not {path} "
+                                      "(adapters are loaded at start-up: lora_modules)", "model")
+        return list(self.lora_paths).index(name) + 1
+
     def add_request(self, request_id: str, prompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> list[Sequence]:
-        """prompt: text, token ids, or a MultiModalPrompt (multimodal_prompt)."""
+                    arrival_time: float | None = None, lora_request=None) -> list[Sequence]:
+        """prompt: text, token ids, or a MultiModalPrompt (multimodal_prompt); lora_request: the adapter
+        to run with (see lora_slot); None: the base model."""
         from jaxserve.engine.multimodal import MultiModalPrompt
 
         if request_id in self.requests:
@@ -483,11 +535,12 @@ class LLMEngine:
         prompt_ids = list(mm.token_ids) if mm else self.tokenizer.encode(prompt) if isinstance(prompt, str) \
             else list(prompt)
         self.validate(mm or prompt_ids, params)
+        slot = self.lora_slot(lora_request)
         seqs = []
         for i in range(params.n):
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
-                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm)
+                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm, lora_slot=slot)
             if params.structured is not None:
                 seq.matcher = self.grammar_compiler.matcher(params.structured, prompt_ids)
             if arrival_time is not None:

@@ -219,6 +219,7 @@ class ModelRunner:
             # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv)
             self.qmatmul = dense_gemv.engine_matmul(self.qmatmul, **(dense_gemv_tuning or {}))
         self.num_top = ecfg.max_logprobs
+        self.num_adapters = len(ecfg.lora_modules)  # multi-LoRA: the step inputs carry each token's slot
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
         self.MB = ecfg.max_blocks_per_seq
         consts = tf.layer_constants(cfg)
@@ -295,7 +296,7 @@ class ModelRunner:
                       block_size=self.ecfg.block_size,
                       logits_sharding=self._replicated if self.mesh is not None else None,
                       # the Pallas expert kernels take whole arrays: XLA's path where the experts are sharded
-                      moe_impl="xla" if self.mesh is not None else None)
+                      moe_impl="xla" if self.mesh is not None else None, lora_adapters=self.num_adapters)
         if key[0] == "vision":
             from jaxserve.models.clip_vision import image_features
 
@@ -456,8 +457,12 @@ class ModelRunner:
         if key[0] == "decode":
             base.update(token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
                         use_last=np.zeros(S, bool), num_steps=np.int32(1))
+            if self.num_adapters:
+                base["lora"] = np.zeros(S, np.int32)
             return base
         T = S + key[1]  # single-token region + tile-aligned prompt-chunk region
+        if self.num_adapters:
+            base["lora"] = np.zeros(T, np.int32)
         base.update(
             token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             token_seq=np.full(T, S, np.int32), is_prompt=np.zeros(T, bool),
@@ -532,6 +537,8 @@ class ModelRunner:
                 else:
                     inp["token_ids"][i] = s.seq.token_at(s.start)
                 inp["positions"][i] = s.start
+                if self.num_adapters:
+                    inp["lora"][i] = s.seq.lora_slot
             inp["num_steps"] = np.int32(sched.decode_steps)
             return key, inp, list(range(len(items)))
         inp["want_plp"] = np.bool_(want_plp)
@@ -555,6 +562,8 @@ class ModelRunner:
             inp["token_ids"][sl] = toks
             inp["positions"][sl] = pos
             inp["token_seq"][sl] = i
+            if self.num_adapters:
+                inp["lora"][sl] = seq.lora_slot
             inp["is_prompt"][sl] = pos < P
             # Output tokens re-fed after a preemption are counted again (their row was reset).
             inp["count_output"][sl] = (pos >= P) & (pos - P >= self.row_counted[seq.row])

@@ -101,3 +101,15 @@ class SamplingParams:
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The adapter a request runs with, as vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)`: it
+    names one of the engine's lora_modules (adapters are loaded at start-up, not per request). A
+    lora_path, when given, must be that module's directory; lora_int_id is vLLM's numeric id, not
+    needed here (the name identifies the adapter)."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str | None = None

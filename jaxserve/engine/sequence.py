@@ -51,6 +51,8 @@ class Sequence:
     matcher: object | None = None
     # image inputs (engine/multimodal.MultiModalPrompt; shared by the request's n choices)
     mm: object | None = None
+    # multi-LoRA: the adapter it runs with (1..N, the engine's lora_modules in order; 0 = the base model)
+    lora_slot: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

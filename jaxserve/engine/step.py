@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import sampler as sampler_mod
+from jaxserve.models import lora as lora_mod
 from jaxserve.models import transformer as tf
 
 
@@ -58,7 +59,8 @@ PLP_CHUNK = 512  # rows of prompt log-probs computed at once (mixed_step)
 
 
 def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
-               block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None, moe_impl=None):
+               block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None, moe_impl=None,
+               lora_adapters=0):
     R = state["out_counts"].shape[0] - 1
     # Fresh rows: clear their penalty state before counting this step's tokens into them.
     reset_rows = jnp.where(inp["reset"], inp["rows"], R)
@@ -78,6 +80,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     if cfg.is_moe:  # padding tokens (the dummy sequence) are not routed to experts of their own
         batch["moe_valid"] = inp["token_seq"] < inp["rows"].shape[0]
+    if lora_adapters:  # multi-LoRA: each token's adapter slot (models/lora.py)
+        batch["lora_onehot"] = lora_mod.onehot(inp["lora"], lora_adapters)
     hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                        scan_layers=scan_layers, attention=attention, add_norm=add_norm,
                                        rope_kv=rope_kv, qmm=qmm, moe_impl=moe_impl)
@@ -123,14 +127,16 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
                 max_steps, block_size, logits_sharding=None, add_norm=None, rope_kv=None, qmm=None,
-                rope_attend=None, moe_impl=None):
+                rope_attend=None, moe_impl=None, lora_adapters=0):
     S = inp["token_ids"].shape[0]
     token_seq = jnp.arange(S, dtype=jnp.int32)
+    # multi-LoRA: each row's adapter, the same for every step of the loop
+    adapters = {"lora_onehot": lora_mod.onehot(inp["lora"], lora_adapters)} if lora_adapters else {}
 
     def one(i, carry):
         state, tokens, positions, outs = carry
         batch = {"token_ids": tokens, "positions": positions, "token_seq": token_seq,
-                 "block_tables": inp["block_tables"]}
+                 "block_tables": inp["block_tables"], **adapters}
         batch["slots"] = _slots(batch, block_size)
         if cfg.is_moe:  # padding rows (the dummy row) are not routed to experts of their own
             batch["moe_valid"] = inp["rows"] < state["out_counts"].shape[0] - 1

@@ -1,4 +1,6 @@
-"""LoRA adapters merged into the base weights at load (`--lora PATH`, `LLM(..., lora=[PATH])`).
+"""LoRA adapters merged into the base weights at load (`--lora PATH`, `LLM(..., lora=[PATH])`), or
+stacked for multi-LoRA serving (`--lora-modules name=PATH`, `LLM(..., lora_modules={name: PATH})`:
+`stack_adapters`; the device side is models/lora.py).
 
 A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as `peft` saves it) adds
 scale * B @ A to each target linear (scale = lora_alpha / r, or / sqrt(r) with use_rslora; per-module
@@ -46,15 +48,24 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def open_adapter(path: str | Path, cfg) -> LoraAdapter:
-    """Read and check a PEFT LoRA adapter for a base model of config `cfg` (ModelConfig)."""
-    from jaxserve.loader.safetensors_loader import SafetensorsError, _map_tensor, canonical_name, read_header
-
+def adapter_config(path: str | Path) -> tuple[Path, dict]:
+    """(directory, adapter_config.json) of a PEFT adapter directory; LoraError when it is not one (the
+    server checks --lora-modules with it before loading anything)."""
     d = Path(path).expanduser()
     conf_file = d / "adapter_config.json"
     if not conf_file.is_file():
         raise LoraError(f"{d}: not a LoRA adapter directory (no adapter_config.json)")
-    c = json.loads(conf_file.read_text())
+    try:
+        return d, json.loads(conf_file.read_text())
+    except ValueError as e:
+        raise LoraError(f"{conf_file}: not JSON: {e}") from None
+
+
+def open_adapter(path: str | Path, cfg) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter for a base model of config `cfg` (ModelConfig)."""
+    from jaxserve.loader.safetensors_loader import SafetensorsError, _map_tensor, canonical_name, read_header
+
+    d, c = adapter_config(path)
     if str(c.get("peft_type", "LORA")).upper() != "LORA":
         raise LoraError(f"{d}: peft_type {c.get('peft_type')!r} is not LORA")
     for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
@@ -128,3 +139,52 @@ def merge(stream: Iterator, adapters: list[LoraAdapter]) -> Iterator:
     if pending:
         missing = ", ".join(f"{n}[{l}]" for n, l in sorted(pending, key=str)[:4])
         raise LoraError(f"lora: the adapter's targets {missing} are not in the base model's weights")
+
+
+# The linears a served adapter may target (canonical names): the attention and dense-MLP projections.
+SERVED_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def target_dims(cfg, name: str) -> tuple[int, int]:
+    """(in, out) of a block's linear `name` in a model of config `cfg`."""
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    Q, KV = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, I), "up": (D, I), "down": (I, D)}[name]
+
+
+def stack_adapters(adapters: list[LoraAdapter], cfg, max_rank: int | None = None) -> dict:
+    """The adapters' updates stacked for serving them side by side: {target: {"a": [L, in, 1, N, R],
+    "b": [L, 1, N, R, out]}} float32. Adapter n (0-based here; slot n + 1 for requests, slot 0 =
+    no adapter) fills index n of the N axis; ranks are zero-padded to R (max_rank, or the largest
+    rank); the scale is folded into B; layers or targets an adapter does not touch stay zero. The
+    axis of size 1 is the part axis of fused projections (models/lora.fuse)."""
+    R = max_rank or max(a.shape[0] for ad in adapters for a, _, _ in ad.deltas.values())
+    for ad in adapters:
+        for (canon, layer), (a, b, _) in ad.deltas.items():
+            name = canon.split(".", 1)[1]
+            if name not in SERVED_TARGETS:  # (open_adapter let the MoE router / shared expert through)
+                raise LoraError(f"{ad.path}: targets {name}[{layer}]; a served adapter may target the "
+                                f"{'/'.join(SERVED_TARGETS)} projections only (--lora merges any linear)")
+            want = target_dims(cfg, name)
+            if (a.shape[1], b.shape[0]) != want:
+                raise LoraError(f"{ad.path}: {name}[{layer}] update is {a.shape[1]}x{b.shape[0]} but this "
+                                f"{cfg.arch} model's weight is {want[0]}x{want[1]} (an adapter of another base model?)")
+            if a.shape[0] > R:
+                raise LoraError(f"{ad.path}: {name}[{layer}] has rank {a.shape[0]}, above max_lora_rank {R}")
+    names = sorted({k[0].split(".", 1)[1] for ad in adapters for k in ad.deltas}, key=SERVED_TARGETS.index)
+    L, N = cfg.num_layers, len(adapters)
+    out = {}
+    for name in names:
+        i, o = target_dims(cfg, name)
+        a_st = np.zeros((L, i, 1, N, R), np.float32)
+        b_st = np.zeros((L, 1, N, R, o), np.float32)
+        for n, ad in enumerate(adapters):
+            for layer in range(L):
+                delta = ad.deltas.get(("layers." + name, layer))
+                if delta is not None:
+                    a, b, scale = delta
+                    r = a.shape[0]
+                    a_st[layer, :, 0, n, :r] = a.T
+                    b_st[layer, 0, n, :r, :] = np.float32(scale) * b.T
+        out[name] = {"a": a_st, "b": b_st}
+    return out

@@ -26,6 +26,7 @@ from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
 from jaxserve.kernels.rms_norm.reference import add_rms_norm as _add_rms_norm_ref
 from jaxserve.kernels.rms_norm.reference import rms_norm  # noqa: F401  (the model's norm, re-exported)
 from jaxserve.kernels.rope_kv.reference import apply_rope
+from jaxserve.models import lora as lora_mod
 from jaxserve.models import moe
 from jaxserve.models.rope import rope_tables
 from jaxserve.quant.qweight import QWeight
@@ -76,16 +77,26 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     reduction kernel less each; resid may then be one (not in a scan: its carry is a plain array).
     rope_attend: RoPE + K/V write + decode attention in one kernel (kernels/rope_attention), used
     with rope_kv in steps of decode tokens only (the decode program: no `decode_slots` region).
-    moe_impl: the MoE experts' path (models/moe.experts_impl; the runner passes 'xla' on a mesh)."""
+    moe_impl: the MoE experts' path (models/moe.experts_impl; the runner passes 'xla' on a mesh).
+    Multi-LoRA (models/lora.py): w["lora"] holds the adapters' A/B of some targets and
+    batch["lora_onehot"] each token's adapter; those targets' outputs get the delta added (whole
+    arrays: no split-K partials, no activation fused into the down matmul)."""
     add_norm = add_norm or _add_rms_norm_ref
     eps = cfg.rms_norm_eps
     T = x.shape[0]
     H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    adapters = w.get("lora", {})
+
+    def proj(x, name, split_out=False):
+        if name not in adapters:
+            return linear(x, w[name], qmm, split_out=split_out)
+        return linear(x, w[name], qmm) + lora_mod.delta(x, adapters[name], batch["lora_onehot"])
+
     x, h = add_norm(x, resid, w["attn_norm"], eps)
     fused_kv = attended = False
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
         to_rope_kv = rope_kv is not None and not cfg.qk_norm
-        qkv = linear(h, w["qkv"], qmm, split_out=split_sums and to_rope_kv and not cfg.attention_bias)
+        qkv = proj(h, "qkv", split_out=split_sums and to_rope_kv and not cfg.attention_bias)
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
         if to_rope_kv and rope_attend is not None and kv is not None and "decode_slots" not in batch:
@@ -103,7 +114,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         else:
             q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
     else:
-        q, k, v = linear(h, w["q"], qmm), linear(h, w["k"], qmm), linear(h, w["v"], qmm)
+        q, k, v = proj(h, "q"), proj(h, "k"), proj(h, "v")
         if cfg.attention_bias:
             q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if not fused_kv:
@@ -135,7 +146,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         o = jnp.concatenate([
             attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
             tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
-    o = linear(o.reshape(T, H * hd), w["o"], qmm, split_out=split_sums and not cfg.sandwich_norms)
+    o = proj(o.reshape(T, H * hd), "o", split_out=split_sums and not cfg.sandwich_norms)
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)
     x, h = add_norm(x, o, w["ffn_norm"], eps)
@@ -143,15 +154,15 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     native_down = not cfg.is_moe and isinstance(w["down"], (CpuQWeight, cpu_native.LayerOf))  # linear() keeps those
     if cfg.is_moe:
         m = moe.moe_mlp(cfg, h, w, lambda a: _act(cfg, a), impl=moe_impl, qmm=qmm, valid=batch.get("moe_valid"))
-    elif "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down:
+    elif "gate_up" in w and getattr(qmm, "takes_act", False) and not native_down and "down" not in adapters:
         # act(g) * u inside the down matmul's kernel (kernels/dense_gemv): one kernel fewer
-        m = qmm(linear(h, w["gate_up"], qmm), w["down"], act=cfg.hidden_act, split_out=down_split)
+        m = qmm(proj(h, "gate_up"), w["down"], act=cfg.hidden_act, split_out=down_split)
     else:
         if "gate_up" in w:
-            g, u = jnp.split(linear(h, w["gate_up"], qmm), 2, axis=-1)
+            g, u = jnp.split(proj(h, "gate_up"), 2, axis=-1)
         else:
-            g, u = linear(h, w["gate"], qmm), linear(h, w["up"], qmm)
-        m = linear(_act(cfg, g) * u, w["down"], qmm, split_out=down_split)
+            g, u = proj(h, "gate"), proj(h, "up")
+        m = proj(_act(cfg, g) * u, "down", split_out=down_split)
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
     return x, m, None if kv is None else (k_cache, v_cache)
@@ -165,8 +176,8 @@ def unstack_layers(weights) -> dict:
     per_layer = [dict() for _ in range(L)]
     for name in list(stacked):
         a = stacked.pop(name)
-        for i in range(L):
-            per_layer[i][name] = a[i]
+        for i in range(L):  # (the `lora` subtree is a dict of stacked arrays)
+            per_layer[i][name] = jax.tree.map(lambda v: v[i], a) if isinstance(a, dict) else a[i]
         free_arrays(a)
     return dict(weights, layers=per_layer)
 
@@ -201,7 +212,7 @@ def fuse_projections(weights, free: bool = True) -> dict:
     per layer (on a GPU each matmul of a decode step is a separately launched, partly idle kernel).
     For one device only: a tensor-parallel split of the fused axis would mix q, k and v columns.
     Works on stacked layers (dict) and per-layer lists; each source array is freed once fused
-    (unless free=False)."""
+    (unless free=False). LoRA stacks of the parts are joined likewise (models/lora.fuse)."""
     def fuse(layer: dict) -> dict:
         layer = dict(layer)
         for new, parts in _FUSED.items():
@@ -211,6 +222,8 @@ def fuse_projections(weights, free: bool = True) -> dict:
                     continue
                 srcs = [layer.pop(p) for p in parts]
                 layer[new] = fused
+                if "lora" in layer:
+                    layer["lora"] = lora_mod.fuse(layer["lora"], parts, new, [a.shape[-1] for a in srcs])
                 for a in srcs if free else ():
                     free_arrays(a)
         return layer

@@ -70,7 +70,7 @@ def build_engine(model=None, *, engine_config: EngineConfig | None = None, tp: i
                  yarn_scaling_factor: float | None = None, revision: str | None = None, attention=None,
                  warmup: bool = True):
     """LLMEngine / DataParallelEngine for the layout; None on a multi-host follower once rank 0 stopped."""
-    from jaxserve.engine.llm_engine import LLMEngine, load_model
+    from jaxserve.engine.llm_engine import LLMEngine, check_lora_layout, load_model
 
     ecfg = engine_config or EngineConfig()
     by_id = isinstance(devices, str) or (bool(devices) and isinstance(list(devices)[0], int))
@@ -86,8 +86,10 @@ def build_engine(model=None, *, engine_config: EngineConfig | None = None, tp: i
             raise ConfigError(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
         if ids is not None and len(list(ids)) != tp * dp:
             raise ConfigError(f"--d lists {len(list(ids))} devices but tp*dp = {tp * dp}")
+    check_lora_layout(ecfg.lora_modules, tp, dp, ids, num_nodes)
     load_kw = dict(file=file, weights_file=weights_file, dtype=ecfg.dtype, yarn_scaling_factor=yarn_scaling_factor,
-                   revision=revision, packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora)
+                   revision=revision, packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora,
+                   lora_modules=ecfg.lora_modules, max_lora_rank=ecfg.max_lora_rank)
     if num_nodes > 1:
         import jax
 
@@ -119,7 +121,7 @@ def build_engine(model=None, *, engine_config: EngineConfig | None = None, tp: i
         from jaxserve.engine.dp_engine import DataParallelEngine
 
         return DataParallelEngine(model, dp=dp, tp=tp, devices=devs, engine_config=ecfg, attention=attention,
-                                  warmup=warmup, **{k: v for k, v in load_kw.items() if k not in ("dtype", "packed", "isq", "lora")})
+                                  warmup=warmup, **{k: v for k, v in load_kw.items() if k not in ("dtype", "packed", "isq", "lora", "lora_modules", "max_lora_rank")})
     from jaxserve.engine.runner import setup_compilation_cache
 
     setup_compilation_cache(ecfg.compile_cache_dir)

@@ -209,8 +209,8 @@ def _load_engine(args, ecfg):
 
     task, overrides = getattr(args, "task", "auto"), getattr(args, "hf_overrides", None)
     if is_embedding_model(args.model, getattr(args, "revision", None), task, overrides):
-        if ecfg.lora:
-            raise ValueError("--lora adapters are merged into generative models only")
+        if ecfg.lora or ecfg.lora_modules:
+            raise ValueError("--lora and --lora-modules adapters apply to generative models only")
         return EmbeddingEngine(args.model, dtype=ecfg.dtype, revision=getattr(args, "revision", None),
                                max_model_len=getattr(args, "max_model_len", None), task=task,
                                hf_overrides=overrides)
@@ -334,6 +334,19 @@ def _cleanup_unix(bind: tuple) -> None:
             pass
 
 
+def _check_lora_modules(state: ServerState, ecfg) -> None:
+    """--lora-modules before binding: each an adapter directory, its name not a name of the base model
+    (a request's `model` picks one or the other)."""
+    from jaxserve.engine.llm_engine import DEFAULT_MODEL
+    from jaxserve.loader.lora import adapter_config
+
+    base = {state.args.model or DEFAULT_MODEL, getattr(state.args, "weights_path", None), *state.served_names}
+    for name, path in ecfg.lora_modules:
+        if name in base:
+            raise ValueError(f"--lora-modules: the adapter name {name!r} is also the base model's name")
+        adapter_config(path)
+
+
 def serve(args) -> int:
     from jaxserve.cli import engine_config_from_args
 
@@ -344,4 +357,9 @@ def serve(args) -> int:
         return 2
     ecfg = engine_config_from_args(args)  # bad engine flags fail here, before anything loads
     state = ServerState(args)
+    try:
+        _check_lora_modules(state, ecfg)
+    except ValueError as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
     return asyncio.run(_main(state, bind, ecfg))

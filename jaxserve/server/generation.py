@@ -64,8 +64,9 @@ def new_id(prefix: str) -> str:
 
 class Generation:
     def __init__(self, state, prompts: list[Prompt], params: SamplingParams, req_id: str,
-                 discard_output: bool = False, prompt_param: str = "prompt"):
+                 discard_output: bool = False, prompt_param: str = "prompt", lora: str | None = None):
         self.state = state
+        self.lora = lora  # the LoRA adapter (a name of lora_modules) the prompts run with, or None
         self.prompt_param = prompt_param  # what a prompt error names: 'messages' or 'prompt'
         self.params = params
         self.prompts = prompts
@@ -92,7 +93,8 @@ class Generation:
             raise APIError(503, "the model is still loading")
         self.stream = aeng.open_stream()
         try:
-            aeng.submit(self.stream, [(p.rid, p.mm or p.ids, self.params) for p in self.prompts])
+            aeng.submit(self.stream, [(p.rid, p.mm or p.ids, self.params) for p in self.prompts],
+                        lora_request=self.lora)
         except QueueFull as e:
             raise APIError(429, str(e)) from None
         except EngineStopped as e:

@@ -330,6 +330,7 @@ class ModelCard(_Resp):
     created: int
     owned_by: str = "jaxserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

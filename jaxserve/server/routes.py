@@ -54,20 +54,22 @@ def _json_endpoint(fn):
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
-    return web.json_response(dump(ModelList(data=[_card(state, n) for n in state.served_names])))
+    cards = [_card(state, n) for n in state.served_names] + [_card(state, n) for n in state.adapters]
+    return web.json_response(dump(ModelList(data=cards)))
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
     name = request.match_info["model"]
-    state.check_model(name)
-    return web.json_response(dump(_card(state, name if name in state.served_names else state.model_name)))
+    return web.json_response(dump(_card(state, state.check_model(name))))
 
 
 def _card(state, name: str) -> ModelCard:
-    return ModelCard(id=name, created=state.created, root=state.engine.model.name,
-                     max_model_len=state.engine.ecfg.max_model_len)
+    """A served name's card, or a LoRA adapter's: its directory as root, the base model as parent (vLLM's)."""
+    lora = state.lora_of(name)
+    return ModelCard(id=name, created=state.created, root=state.adapters[lora] if lora else state.engine.model.name,
+                     parent=state.model_name if lora else None, max_model_len=state.engine.ecfg.max_model_len)
 
 
 async def health(request: web.Request) -> web.Response:

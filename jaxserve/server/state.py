@@ -33,6 +33,7 @@ class ServerState:
         names = [n.strip() for n in (getattr(args, "served_model_name", None) or "").split(",") if n.strip()]
         self.served_names = names
         self.accepted_names: set[str] = set(names)
+        self.adapters: dict[str, str] = {}  # multi-LoRA: served adapter name -> its directory
         self.defaults: dict = {}
         self.metrics = Metrics(self._engine_stats)
         self._token_text: dict[int, str] = {}
@@ -54,6 +55,7 @@ class ServerState:
         # the served name(s), the model path/id given on the command line and the resolved name
         self.accepted_names |= {n for n in (model_arg, weights, engine.model.name) if n}
         self.accepted_names |= set(self.served_names)
+        self.adapters = dict(getattr(engine, "lora_paths", {}))
         self.defaults = self._sampling_defaults(engine.model.generation_defaults or {})
         if getattr(engine, "is_embedding", False):
             from jaxserve.server.embeddings import EmbedBatcher
@@ -93,8 +95,14 @@ class ServerState:
             return self.model_name
         if name in self.accepted_names:
             return name if name in self.served_names else self.model_name
-        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.served_names)}",
-                       "model", "model_not_found")
+        if name in self.adapters:
+            return name
+        raise APIError(404, f"The model `{name}` does not exist. Served: "
+                       f"{', '.join(self.served_names + list(self.adapters))}", "model", "model_not_found")
+
+    def lora_of(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (after check_model), or None for the base model."""
+        return name if name in self.adapters else None
 
     def require_generative(self) -> None:
         if self.embedder is not None:

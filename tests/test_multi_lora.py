@@ -1,0 +1,255 @@
+"""Multi-LoRA serving (lora_modules): a tiny random Llama with two PEFT adapters of different ranks and
+targets, served side by side. Each adapter's requests must equal the adapter merged at load (--lora),
+the base model's requests in the same batch the plain base model; prefix-cache blocks are never shared
+across adapters; nothing compiles while serving; the server lists and serves the adapters; bad
+configurations fail at start-up with clear messages."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import validate_schema
+from hf_tiny import make_tiny_model
+from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.config import ConfigError
+from jaxserve.engine.llm_engine import load_model
+from jaxserve.engine.sampling_params import SamplingParamsError
+from jaxserve.loader.lora import LoraError
+from tiny_tokenizer import add_byte_tokenizer
+
+_compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **k: _compiles.append(name) if "backend_compile" in name else None)
+
+# Two programs per engine (decode for 4 rows, mixed for 32 tokens): the references compile little.
+KW = dict(max_model_len=128, max_num_seqs=4, prefill_chunk_size=32, decode_steps=4, num_blocks=48,
+          seq_buckets=(4,), token_buckets=(32,))
+PROMPTS = ["hello there", "the quick brown fox", "abc", "hello there", "xyz, said the fox"]
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The base model and two adapters: x (rank 4, attention and MLP, down at rank 2) and y (rank 8,
+    q/k/up of layer 1 only)."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    tmp = tmp_path_factory.mktemp("multi_lora")
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp))
+    (d / "chat_template.jinja").write_text(TEMPLATE)
+    for name, seed, kw in (("x", 1, dict(r=4, lora_alpha=8, rank_pattern={"down_proj": 2},
+                                         target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])),
+                           ("y", 2, dict(r=8, lora_alpha=4, use_rslora=True, layers_to_transform=[1],
+                                         target_modules=["q_proj", "k_proj", "up_proj"]))):
+        torch.manual_seed(seed)  # PEFT would start B at zero: random A and B
+        pm = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(d),
+                            LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kw))
+        pm.save_pretrained(tmp / name)
+    return SimpleNamespace(base=d, x=tmp / "x", y=tmp / "y", tmp=tmp)
+
+
+@pytest.fixture(scope="module")
+def multi(files):
+    return LLM(str(files.base), lora_modules={"x": str(files.x), "y": str(files.y)}, **KW)
+
+
+@pytest.fixture(scope="module")
+def refs(files):
+    """The plain base model and each adapter merged at load."""
+    return {None: LLM(str(files.base), **KW), "x": LLM(str(files.base), lora=[str(files.x)], **KW),
+            "y": LLM(str(files.base), lora=[str(files.y)], **KW)}
+
+
+def _greedy(n=10):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+
+
+def _same(got, want):
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose([lp for lp, _ in got.logprobs], [lp for lp, _ in want.logprobs], atol=2e-4)
+
+
+def test_model_level_deltas_match_merged_weights(files):
+    """The forward pass itself, one step mixing the base model and both adapters, against merged weights:
+    stacked (scanned) layers with q/k/v and gate/up apart, and per-layer (unrolled, the GPU's) fused ones
+    (the engine tests below run stacked fused ones)."""
+    from paged_model import PagedModel
+
+    from jaxserve.models import lora as lora_mod
+    from jaxserve.models import transformer as tf
+
+    lm = load_model(str(files.base), lora_modules=(("x", str(files.x)), ("y", str(files.y))))
+    rng = np.random.default_rng(0)
+    seqs = [[int(t) for t in rng.integers(3, 256, n)] for n in (11, 7, 9)]  # base, x, y
+    chunks = [(i, s, 0) for i, s in enumerate(seqs)]
+    want = [PagedModel(lm.cfg, load_model(str(files.base), lora=lr).weights).step(chunks)[i]
+            for i, lr in enumerate(((), (str(files.x),), (str(files.y),)))]
+    onehot = lora_mod.onehot(np.concatenate([np.full(len(s), i, np.int32) for i, s in enumerate(seqs)]), 2)
+    fused = tf.unstack_layers(tf.fuse_projections(jax.tree.map(lambda a: a.copy(), lm.weights)))
+    assert "qkv" in fused["layers"][0]["lora"] and "gate_up" in fused["layers"][1]["lora"]
+    for weights, scan in ((lm.weights, True), (fused, False)):
+        got = PagedModel(lm.cfg, weights).step(chunks, scan=scan, extra={"lora_onehot": onehot})
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=2e-4)
+
+
+def test_mixed_batch_equals_merged_and_base(multi, refs):
+    """Base, x and y requests in one generate call (the same prompt under several): each equals its own
+    model; chunked prefill, multi-step decode and the step dispatched ahead all carry the adapter."""
+    loras = [None, LoRARequest("x", 1), "y", "x", "y"]
+    outs = multi.generate(PROMPTS, _greedy(24), lora_request=loras)
+    for p, lr, o in zip(PROMPTS, loras, outs):
+        name = getattr(lr, "lora_name", lr)
+        _same(o.outputs[0], refs[name].generate(p, _greedy(24))[0].outputs[0])
+    assert outs[0].outputs[0].token_ids != outs[3].outputs[0].token_ids  # the adapter changes the output
+    # prompt logprobs (the mixed program's other branch) under an adapter
+    got = multi.score(PROMPTS[1], lora_request="y")[0].logprobs[1:]
+    np.testing.assert_allclose(got, refs["y"].score(PROMPTS[1])[0].logprobs[1:], atol=2e-4)
+
+
+def test_prefix_cache_is_per_adapter(multi, refs):
+    prompt = "a long shared prefix that fills two blocks of sixteen!"  # 55 tokens: 3 full blocks cachable
+    runs = [(lr, multi.generate(prompt, _greedy(6), lora_request=lr)[0]) for lr in ("x", "y", None, "x", "y")]
+    assert [o.num_cached_tokens for _, o in runs] == [0, 0, 0, 48, 48]
+    for lr, o in runs:  # a hit reads the adapter's own K/V
+        _same(o.outputs[0], refs[lr].generate(prompt, _greedy(6))[0].outputs[0])
+
+
+def test_no_compiles_while_serving(multi):
+    runner = multi.engine.runner
+    assert runner.num_compiled == len(runner.program_keys()) == 2
+    n = len(_compiles)
+    sp = [_greedy(9), SamplingParams(temperature=0.8, seed=3, max_tokens=7), _greedy(3), _greedy(12)]
+    for loras in (["x", "y", None, "x"], ["y", "y", "y", "y"], [None, None, "x", None]):
+        multi.generate(PROMPTS[:4], sp, lora_request=loras)
+    multi.score(PROMPTS[:2], lora_request="x")
+    assert len(_compiles) == n, f"{len(_compiles) - n} compile(s) while serving"
+
+
+def test_without_lora_modules_programs_are_unchanged(refs):
+    """No adapters configured: no `lora` input in any program's arguments, no `lora` weights."""
+    runner = refs[None].engine.runner
+    for key in runner.program_keys():
+        assert "lora" not in runner._empty_inputs(key)
+    layers = runner.weights["layers"]
+    assert "lora" not in (layers[0] if isinstance(layers, list) else layers)
+
+
+def test_request_errors(multi, files):
+    with pytest.raises(SamplingParamsError, match="no LoRA adapter named 'z'"):
+        multi.generate("hi", _greedy(), lora_request="z")
+    with pytest.raises(SamplingParamsError, match="loaded from"):
+        multi.generate("hi", _greedy(), lora_request=LoRARequest("x", 1, str(files.y)))
+    with pytest.raises(ValueError, match="lora requests"):
+        multi.generate(["a", "b"], _greedy(), lora_request=["x"])
+
+
+def test_quantized_base(files):
+    """x and y on an ISQ q8_0 base, one step: packed (the native CPU kernel) equals the same weights
+    dequantized, to the native kernel's rounding of activations to ~16 bits."""
+    from paged_model import PagedModel
+
+    from jaxserve.models import lora as lora_mod
+
+    mods = (("x", str(files.x)), ("y", str(files.y)))
+    packed = load_model(str(files.base), isq="q8_0", lora_modules=mods)
+    dense = load_model(str(files.base), isq="q8_0", packed=False, lora_modules=mods)
+    assert type(packed.weights["layers"][0]["q"]).__name__ == "CpuQWeight"
+    seqs = [PROMPTS[1].encode(), PROMPTS[4].encode(), PROMPTS[0].encode()]  # base, x, y
+    onehot = lora_mod.onehot(np.concatenate([np.full(len(s), i, np.int32) for i, s in enumerate(seqs)]), 2)
+    chunks = [(i, list(s), 0) for i, s in enumerate(seqs)]
+    got = PagedModel(packed.cfg, packed.weights).step(chunks, scan=False, extra={"lora_onehot": onehot})
+    want = PagedModel(dense.cfg, dense.weights).step(chunks, extra={"lora_onehot": onehot})
+    for g, w in zip(got, want):  # the base model's own rows differ by ~3e-3 (the kernel's rounding)
+        np.testing.assert_allclose(g, w, atol=1e-2)
+        assert (g.argmax(-1) == w.argmax(-1)).all()
+
+
+def test_config_errors(files, capsys):
+    from jaxserve.cli import build_parser
+    from jaxserve.server import app
+
+    with pytest.raises(ConfigError, match="not name=path"):
+        LLM(str(files.base), lora_modules=["x"], **KW)
+    with pytest.raises(ConfigError, match="none are configured"):
+        LLM(str(files.base), max_lora_rank=8, **KW)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--lora-modules", "x"])
+    assert "expected NAME=DIR" in capsys.readouterr().err
+    with pytest.raises(LoraError, match="no adapter_config.json"):
+        LLM(str(files.base), lora_modules={"x": str(files.tmp / "missing")}, **KW)
+    with pytest.raises(LoraError, match="rank 8, above max_lora_rank 4"):
+        LLM(str(files.base), lora_modules={"y": str(files.y)}, max_lora_rank=4, **KW)
+    with pytest.raises(ConfigError, match="one device"):
+        LLM(str(files.base), lora_modules={"x": str(files.x)}, tensor_parallel_size=2, **KW)
+    other = add_byte_tokenizer(make_tiny_model("llama", files.tmp / "wide", hidden_size=96))
+    with pytest.raises(LoraError, match="another base model"):
+        LLM(str(other), lora_modules={"x": str(files.x)}, **KW)
+    # the server refuses before binding: a missing adapter, an adapter named like the base model
+    for mods, msg in ((["x=" + str(files.tmp / "missing")], "no adapter_config.json"),
+                      (["tiny=" + str(files.x)], "also the base model's name")):
+        args = build_parser().parse_args(["run", "--model", str(files.base), "--served-model-name", "tiny",
+                                          "--port", "0", "--lora-modules", *mods])
+        assert app.serve(args) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_server(multi, files):
+    """/v1/models lists the adapters (parent: the base); model=<adapter> on chat (streamed or not) and
+    completions equals the offline result; an unknown adapter is an unknown model (404)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.state import ServerState
+
+    msgs = [{"role": "user", "content": "hi there"}]
+    offline = {lr: multi.chat(msgs, _greedy(8), lora_request=lr)[0].outputs[0].text for lr in (None, "x", "y")}
+    completion = multi.generate(PROMPTS[2], _greedy(8), lora_request="y")[0].outputs[0].text
+    assert len(set(offline.values())) == 3
+
+    async def run():
+        state = ServerState(SimpleNamespace(served_model_name="tiny", model=str(files.base)))
+        aeng = AsyncEngine(multi.engine)
+        aeng.start()
+        state.attach(multi.engine, aeng)
+        state.ready = True
+        try:
+            async with TestClient(TestServer(build_app(state))) as client:
+                models = await (await client.get("/v1/models")).json()
+                validate_schema(models, "ListModelsResponse")
+                assert [(m["id"], m["parent"]) for m in models["data"]] == [("tiny", None), ("x", "tiny"),
+                                                                          ("y", "tiny")]
+                card = await (await client.get("/v1/models/y")).json()
+                assert card["root"] == str(files.y) and card["parent"] == "tiny"
+                body = {"messages": msgs, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+                for model in ("tiny", "x", "y"):
+                    r = await (await client.post("/v1/chat/completions", json=dict(body, model=model))).json()
+                    assert r["model"] == model
+                    assert r["choices"][0]["message"]["content"] == offline[None if model == "tiny" else model]
+                resp = await client.post("/v1/chat/completions", json=dict(body, model="x", stream=True))
+                text = ""
+                for line in (await resp.text()).splitlines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                assert text == offline["x"]
+                r = await (await client.post("/v1/completions", json={
+                    "model": "y", "prompt": PROMPTS[2], "temperature": 0, "max_tokens": 8, "ignore_eos": True})).json()
+                assert r["choices"][0]["text"] == completion
+                errs = []
+                for model in ("z", "gpt-4"):
+                    resp = await client.post("/v1/chat/completions", json=dict(body, model=model))
+                    errs.append((resp.status, (await resp.json())["error"]))
+                assert [(s, e["code"], e["param"]) for s, e in errs] == [(404, "model_not_found", "model")] * 2
+                validate_schema({"error": errs[0][1]}, "ErrorResponse")
+                assert (await client.get("/v1/models/z")).status == 404
+        finally:
+            await aeng.shutdown(5)
+
+    asyncio.run(run())
