@@ -50,8 +50,10 @@ def _run(cfg, h, w):
 
 
 # tokens chosen for each path: one-row tiles (decode), 16- and 64-row tiles, all experts on every token
-@pytest.mark.parametrize("experts,k,tokens", [(8, 2, 3), (8, 2, 40), (32, 4, 30), (32, 4, 300)])
-@pytest.mark.parametrize("fmt", ["q8_0", "q4k"])
+# every path once per format: one-row tiles (3 tokens), all experts (8 experts, 40 tokens), 16-row
+# (32 experts, 30 tokens) and 64-row tiles (300 tokens)
+@pytest.mark.parametrize("fmt,experts,k,tokens", [("q8_0", 8, 2, 3), ("q4k", 8, 2, 40), ("q4k", 32, 4, 30),
+                                                  ("q8_0", 32, 4, 300)])
 def test_packed_experts_compute_their_dequantized_function(experts, k, tokens, fmt):
     cfg = _cfg(experts, k)
     packed, deq = _layer(experts, fmt, seed=experts + tokens)
@@ -195,7 +197,9 @@ def test_int8_activation_copies_skip_expert_stacks():
 
 
 # ------------------------------------------------- the grouped quantized matmul (Pallas, interpreted)
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q5k", "q6k", "q3k", "q2k", "q8_0"])
+# one of each layout: one 4-bit plane with an offset, 2+1 planes with signed sub-scales, 4+2 planes,
+# 2-bit with nibble factors, 8-bit
+@pytest.mark.parametrize("fmt", ["q4_1", "q3k", "q6k", "q2k", "q8_0"])
 def test_grouped_qmatmul_matches_the_dequantized_experts(fmt):
     """grouped_qmatmul (quant_matmul/pallas_triton, interpreted on CPU): each group of rows through its
     expert's packed weights = x @ dequantize(expert); groups past live_groups are skipped."""

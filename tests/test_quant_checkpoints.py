@@ -500,7 +500,7 @@ def test_unsupported_quantization_configs_fail_at_config(tmp_path, qc, match):
 
 
 # ------------------------------------------------------------------- mixture-of-experts checkpoints
-@pytest.mark.parametrize("fmt", ["gptq4_v1_g32", "awq_g64", "fp8_32x64"])
+@pytest.mark.parametrize("fmt", ["gptq4_v1_g32", "fp8_32x64"])  # (AWQ's unpacking: the dense tests above)
 def test_moe_checkpoint_experts_load_packed(tmp_path, fmt, monkeypatch):
     """A Qwen3-MoE with every expert's projections quantized (as GPTQ/AutoAWQ/FP8 quantizers write
     MoE models: one quantized module per expert; the router stays float): each layer's experts load
