@@ -44,7 +44,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="serve PEFT LoRA adapters beside the base model (multi-LoRA, as vLLM's): requests pick "
                         "one by its name as their model, /v1/models lists them (repeatable; one device)")
     g.add_argument("--max-lora-rank", type=int, default=None,
-                   help="rank the --lora-modules adapters are padded to (default: their largest rank)")
+                   help="rank the adapters are padded to (default: the --lora-modules' largest rank; 16 "
+                        "with --max-loras slots to spare)")
+    g.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapter slots (default: one per --lora-modules adapter); slots beyond them take "
+                        "adapters loaded while serving (--enable-lora-loading); each costs every token its rank")
     g.add_argument("--isq", default=None, metavar="FMT",
                    help="quantize dense matmul weights at load: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k")
     g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
@@ -157,6 +161,8 @@ def engine_config_from_args(args):
         kw["lora_modules"] = tuple(m for group in args.lora_modules for m in group)
     if getattr(args, "max_lora_rank", None) is not None:
         kw["max_lora_rank"] = args.max_lora_rank
+    if getattr(args, "max_loras", None) is not None:
+        kw["max_loras"] = args.max_loras
     if getattr(args, "packed", "auto") != "auto":
         kw["packed_weights"] = args.packed == "on"
     if getattr(args, "int8_activations", False):
@@ -316,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put a thinking model's <think>...</think> text in the chat message's reasoning_content "
                         "(deepseek_r1: replies start inside the thinking, as DeepSeek-R1, QwQ and Qwen3 "
                         "*-Thinking-2507; qwen3: only when the reply opens with <think>)")
+    s.add_argument("--enable-lora-loading", action="store_true",
+                   help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): load a PEFT adapter "
+                        "directory the server can read into a free --max-loras slot while serving")
     s.add_argument("--log-level", dest="server_log_level", default=None,
                    choices=["debug", "info", "warning", "error"])
     r.set_defaults(func=cmd_run)

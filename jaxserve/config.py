@@ -270,6 +270,11 @@ class EngineConfig:
     # The rank the adapters' A/B are padded to (part of every compiled shape). None: the largest rank of
     # the adapters; an adapter of a larger rank is refused at load.
     max_lora_rank: int | None = None
+    # Adapter slots on the device (vLLM's --max-loras); None: one per lora_modules entry. Slots beyond
+    # lora_modules take adapters loaded while serving (LLM.add_lora, a LoRARequest with a lora_path, the
+    # server's /v1/load_lora_adapter); their stacks then hold every projection at rank max_lora_rank
+    # (default 16). Each slot costs every token its rank columns on every target.
+    max_loras: int | None = None
     # One kernel for RoPE + K/V cache write. None: on with one GPU device (+2% bs1 decode on the H200,
     # 195.7 vs 192.1 tok/s), off on CPU (the reference path either way) and over a mesh.
     fused_rope_kv: bool | None = None
@@ -288,6 +293,11 @@ class EngineConfig:
     dense_gemv: bool | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
 
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots on the device (0: no multi-LoRA)."""
+        return self.max_loras or len(self.lora_modules)
+
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -305,9 +315,14 @@ class EngineConfig:
             raise ConfigError(f"lora must be a list of adapter directories, got {self.lora!r}")
         object.__setattr__(self, "lora", tuple(self.lora))
         object.__setattr__(self, "lora_modules", _lora_modules(self.lora_modules))
+        if self.max_loras is not None and not (type(self.max_loras) is int and
+                                               self.max_loras >= max(1, len(self.lora_modules))):
+            raise ConfigError(f"max_loras must be an integer >= 1 and >= the number of lora_modules "
+                              f"({len(self.lora_modules)}), got {self.max_loras!r}")
         if self.max_lora_rank is not None:
-            if not self.lora_modules:
-                raise ConfigError("max_lora_rank bounds the adapters of lora_modules, and none are configured")
+            if not self.lora_slots:
+                raise ConfigError("max_lora_rank bounds the adapters of lora_modules or max_loras, and neither "
+                                  "is configured")
             if self.max_lora_rank < 1:
                 raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.isq is not None and self.isq not in ISQ_FORMATS:

@@ -5,6 +5,7 @@ across adapters; nothing compiles while serving; the server lists and serves the
 configurations fail at start-up with clear messages."""
 
 import asyncio
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -73,6 +74,27 @@ def _greedy(n=10):
 def _same(got, want):
     assert got.token_ids == want.token_ids
     np.testing.assert_allclose([lp for lp, _ in got.logprobs], [lp for lp, _ in want.logprobs], atol=2e-4)
+
+
+@contextlib.asynccontextmanager
+async def _client(llm, **args):
+    """A test client of the server over llm's engine (args: the server's command-line options)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from jaxserve.server.state import ServerState
+
+    state = ServerState(SimpleNamespace(served_model_name="tiny", **args))
+    aeng = AsyncEngine(llm.engine)
+    aeng.start()
+    state.attach(llm.engine, aeng)
+    state.ready = True
+    try:
+        async with TestClient(TestServer(build_app(state))) as client:
+            yield client
+    finally:
+        await aeng.shutdown(5)
 
 
 def test_model_level_deltas_match_merged_weights(files):
@@ -177,7 +199,7 @@ def test_config_errors(files, capsys):
 
     with pytest.raises(ConfigError, match="not name=path"):
         LLM(str(files.base), lora_modules=["x"], **KW)
-    with pytest.raises(ConfigError, match="none are configured"):
+    with pytest.raises(ConfigError, match="neither is configured"):
         LLM(str(files.base), max_lora_rank=8, **KW)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--lora-modules", "x"])
@@ -198,58 +220,148 @@ def test_config_errors(files, capsys):
                                           "--port", "0", "--lora-modules", *mods])
         assert app.serve(args) == 2
         assert msg in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="max_loras must be an integer >= 1 and >= the number of lora_modules"):
+        LLM(str(files.base), lora_modules={"x": str(files.x), "y": str(files.y)}, max_loras=1, **KW)
+    args = build_parser().parse_args(["run", "--model", str(files.base), "--port", "0", "--enable-lora-loading",
+                                      "--lora-modules", "x=" + str(files.x)])
+    assert app.serve(args) == 2
+    assert "--enable-lora-loading needs adapter slots" in capsys.readouterr().err
 
 
 def test_server(multi, files):
     """/v1/models lists the adapters (parent: the base); model=<adapter> on chat (streamed or not) and
     completions equals the offline result; an unknown adapter is an unknown model (404)."""
-    from aiohttp.test_utils import TestClient, TestServer
-
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
-    from jaxserve.server.state import ServerState
-
     msgs = [{"role": "user", "content": "hi there"}]
     offline = {lr: multi.chat(msgs, _greedy(8), lora_request=lr)[0].outputs[0].text for lr in (None, "x", "y")}
     completion = multi.generate(PROMPTS[2], _greedy(8), lora_request="y")[0].outputs[0].text
     assert len(set(offline.values())) == 3
 
     async def run():
-        state = ServerState(SimpleNamespace(served_model_name="tiny", model=str(files.base)))
-        aeng = AsyncEngine(multi.engine)
-        aeng.start()
-        state.attach(multi.engine, aeng)
-        state.ready = True
-        try:
-            async with TestClient(TestServer(build_app(state))) as client:
-                models = await (await client.get("/v1/models")).json()
-                validate_schema(models, "ListModelsResponse")
-                assert [(m["id"], m["parent"]) for m in models["data"]] == [("tiny", None), ("x", "tiny"),
-                                                                          ("y", "tiny")]
-                card = await (await client.get("/v1/models/y")).json()
-                assert card["root"] == str(files.y) and card["parent"] == "tiny"
-                body = {"messages": msgs, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
-                for model in ("tiny", "x", "y"):
-                    r = await (await client.post("/v1/chat/completions", json=dict(body, model=model))).json()
-                    assert r["model"] == model
-                    assert r["choices"][0]["message"]["content"] == offline[None if model == "tiny" else model]
-                resp = await client.post("/v1/chat/completions", json=dict(body, model="x", stream=True))
-                text = ""
-                for line in (await resp.text()).splitlines():
-                    if line.startswith("data: {"):
-                        text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                assert text == offline["x"]
-                r = await (await client.post("/v1/completions", json={
-                    "model": "y", "prompt": PROMPTS[2], "temperature": 0, "max_tokens": 8, "ignore_eos": True})).json()
-                assert r["choices"][0]["text"] == completion
-                errs = []
-                for model in ("z", "gpt-4"):
-                    resp = await client.post("/v1/chat/completions", json=dict(body, model=model))
-                    errs.append((resp.status, (await resp.json())["error"]))
-                assert [(s, e["code"], e["param"]) for s, e in errs] == [(404, "model_not_found", "model")] * 2
-                validate_schema({"error": errs[0][1]}, "ErrorResponse")
-                assert (await client.get("/v1/models/z")).status == 404
-        finally:
-            await aeng.shutdown(5)
+        async with _client(multi, model=str(files.base)) as client:
+            models = await (await client.get("/v1/models")).json()
+            validate_schema(models, "ListModelsResponse")
+            assert [(m["id"], m["parent"]) for m in models["data"]] == [("tiny", None), ("x", "tiny"),
+                                                                      ("y", "tiny")]
+            card = await (await client.get("/v1/models/y")).json()
+            assert card["root"] == str(files.y) and card["parent"] == "tiny"
+            body = {"messages": msgs, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+            for model in ("tiny", "x", "y"):
+                r = await (await client.post("/v1/chat/completions", json=dict(body, model=model))).json()
+                assert r["model"] == model
+                assert r["choices"][0]["message"]["content"] == offline[None if model == "tiny" else model]
+            resp = await client.post("/v1/chat/completions", json=dict(body, model="x", stream=True))
+            text = ""
+            for line in (await resp.text()).splitlines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            assert text == offline["x"]
+            r = await (await client.post("/v1/completions", json={
+                "model": "y", "prompt": PROMPTS[2], "temperature": 0, "max_tokens": 8, "ignore_eos": True})).json()
+            assert r["choices"][0]["text"] == completion
+            errs = []
+            for model in ("z", "gpt-4"):
+                resp = await client.post("/v1/chat/completions", json=dict(body, model=model))
+                errs.append((resp.status, (await resp.json())["error"]))
+            assert [(s, e["code"], e["param"]) for s, e in errs] == [(404, "model_not_found", "model")] * 2
+            validate_schema({"error": errs[0][1]}, "ErrorResponse")
+            assert (await client.get("/v1/models/z")).status == 404
 
     asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def spare(files):
+    """One adapter slot and no start-up adapters: every adapter is loaded while serving."""
+    return LLM(str(files.base), max_loras=1, max_lora_rank=8, **KW)
+
+
+def test_loading_adapters_while_serving(spare, files, refs):
+    """max_loras slots beyond lora_modules: a LoRARequest with a lora_path loads on demand (evicting the
+    least recently used on-demand adapter; more adapters than slots in one call run in turns),
+    add_lora / remove_lora, a slot is not reused while a request runs with it, and an adapter loaded
+    again under an old name never reads the previous one's prefix-cache blocks. Nothing compiles."""
+    from jaxserve.engine.lora_slots import LoraSlotError
+
+    llm, n = spare, len(_compiles)
+    x, y = LoRARequest("x", 1, str(files.x)), LoRARequest("y", 2, str(files.y))
+    prompt = "a long shared prefix that fills two blocks of sixteen!"  # 3 full blocks cachable
+    want = {k: refs[k].generate(prompt, _greedy(6))[0].outputs[0] for k in ("x", "y")}
+    got = [llm.generate(prompt, _greedy(6), lora_request=lr)[0] for lr in (x, y, "y")]  # y evicts x
+    assert [o.num_cached_tokens for o in got] == [0, 0, 48]
+    for o, k in zip(got, "xyy"):
+        _same(o.outputs[0], want[k])
+    assert llm.list_loras() == {"y": str(files.y)}
+    outs = llm.generate(PROMPTS[:3], _greedy(8), lora_request=[x, None, y])  # 2 adapters, 1 slot: in turns
+    for p, lr, o in zip(PROMPTS, ("x", None, "y"), outs):
+        _same(o.outputs[0], refs[lr].generate(p, _greedy(8))[0].outputs[0])
+    with pytest.raises(SamplingParamsError, match="no LoRA adapter named 'z'"):
+        llm.generate(prompt, _greedy(2), lora_request="z")
+    # the name x now runs y's weights: its own blocks, not those cached for the first x
+    llm.remove_lora("y")
+    llm.add_lora(LoRARequest("x", 3, str(files.y)))
+    with pytest.raises(LoraSlotError, match="already loaded"):
+        llm.add_lora(x)
+    got = [llm.generate(prompt, _greedy(6), lora_request="x")[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in got] == [0, 48]
+    for o in got:
+        _same(o.outputs[0], want["y"])
+    # unloaded while a request runs with it: the request finishes with it, the slot stays taken till then
+    eng = llm.engine
+    (seq,) = eng.add_request("running", prompt, _greedy(6), lora_request="x")
+    llm.remove_lora("x")
+    with pytest.raises(LoraSlotError, match="still in use by running requests"):
+        llm.add_lora(x)
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_token_ids == want["y"].token_ids
+    llm.add_lora(x)
+    _same(llm.generate(prompt, _greedy(6), lora_request="x")[0].outputs[0], want["x"])
+    assert len(_compiles) == n, f"{len(_compiles) - n} compile(s) while loading adapters"
+
+
+def test_server_loads_adapters(spare, files, refs):
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora-loading): a loaded adapter is a
+    model name (listed, served: the same text as the adapter merged at load), then gone once unloaded;
+    bad loads are 400s, unknown unloads 404s, and without the flag both routes are 404s."""
+    for name in list(spare.list_loras()):
+        spare.remove_lora(name)
+    body = {"prompt": PROMPTS[1], "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    want = refs["y"].generate(PROMPTS[1], _greedy(8))[0].outputs[0].text
+
+    async def run(enabled):
+        async with _client(spare, model=str(files.base), enable_lora_loading=enabled) as client:
+            async def post(path, js):
+                r = await client.post(path, json=js)
+                return r.status, (await r.text())
+
+            if not enabled:
+                return [await post(p, {"lora_name": "z", "lora_path": str(files.y)})
+                        for p in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")]
+            assert await post("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": str(files.y)}) == \
+                (200, "Success: LoRA adapter 'z' added successfully.")
+            models = await (await client.get("/v1/models")).json()
+            assert [(m["id"], m["parent"]) for m in models["data"]] == [("tiny", None), ("z", "tiny")]
+            r = await (await client.post("/v1/completions", json=dict(body, model="z"))).json()
+            assert r["choices"][0]["text"] == want
+            errs = [await post("/v1/load_lora_adapter", js) for js in (
+                {"lora_name": "z", "lora_path": str(files.x)},  # the name is taken
+                {"lora_name": "w", "lora_path": str(files.tmp / "missing")},
+                {"lora_name": "w", "lora_path": str(files.x)},  # the one slot is taken
+                {"lora_name": "tiny", "lora_path": str(files.x)},
+                {"lora_name": "w"})]
+            assert [s for s, _ in errs] == [400] * 5
+            msgs = [json.loads(t)["error"]["message"] for _, t in errs]
+            for m, part in zip(msgs, ("already been loaded", "no adapter_config.json", "slots are taken",
+                                      "the base model's name", "'lora_path' is a required property")):
+                assert part in m
+            validate_schema(json.loads(errs[0][1]), "ErrorResponse")
+            assert await post("/v1/unload_lora_adapter", {"lora_name": "z"}) == \
+                (200, "Success: LoRA adapter 'z' removed successfully.")
+            status, text = await post("/v1/unload_lora_adapter", {"lora_name": "z"})
+            assert status == 404 and "cannot be found" in text
+            assert (await client.post("/v1/completions", json=dict(body, model="z"))).status == 404
+            assert [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]] == ["tiny"]
+
+    asyncio.run(run(True))
+    off = asyncio.run(run(False))
+    assert [s for s, _ in off] == [404, 404] and all("--enable-lora-loading" in t for _, t in off)

@@ -162,7 +162,8 @@ def expected_outputs(s, n):
 
 
 def test_host_modules_do_not_import_jax():
-    code = ("import sys; import jaxserve.engine.block_manager, jaxserve.engine.scheduler, jaxserve.engine.structured; "
+    code = ("import sys; import jaxserve.engine.block_manager, jaxserve.engine.scheduler, jaxserve.engine.structured, "
+            "jaxserve.engine.lora_slots; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -207,6 +207,15 @@ class AsyncEngine:
                 self._inbox.append(("add", rid, ids, params, stream, arrival, lora_request))
             self._cv.notify()
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread between steps (it may change engine state); its result or
+        exception comes back here."""
+        if not self._accepting or self._stop or self._thread is None:
+            raise EngineStopped("the server is shutting down" if self._thread else "the engine is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._post(("call", fn, fut))
+        return await fut
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are freed before the next step. Never raises."""
         self._post(("abort", request_id))
@@ -284,6 +293,17 @@ class AsyncEngine:
             self._abort(cmd[1], out)
         elif kind == "abort_all":
             self._abort_all(out)
+        elif kind == "call":
+            _, fn, fut = cmd
+            try:
+                res, exc = fn(), None
+            except Exception as e:
+                res, exc = None, e
+            settle = (lambda: fut.done() or fut.set_exception(exc)) if exc else (lambda: fut.done() or fut.set_result(res))
+            try:
+                self._loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # loop closed during shutdown
+                pass
 
     def _abort(self, rid: str, out: list) -> None:
         live = self._live.pop(rid, None)

@@ -170,21 +170,40 @@ class LLM:
         if self.is_follower:
             raise RuntimeError("this process was a multi-host follower (node_rank > 0): only rank 0 generates")
 
+        from jaxserve.engine.lora_slots import LoraSlotError
+
         eng = self.engine
         order, seqs_of = [], {}
-        for p, sp, lr in zip(prompts, params, loras):
-            rid = f"offline-{next(self._ids)}"
-            seqs_of[rid] = eng.add_request(rid, p, sp, lora_request=lr)
-            order.append((rid, p))
         texts: dict[int, list[str]] = {}
-        bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
+        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate")
         done = 0
-        while eng.has_unfinished():
+
+        def step():
+            nonlocal done
             for out in eng.step():
                 texts.setdefault(out.seq.seq_id, []).append(out.new_text)
             n = sum(all(s.is_finished for s in seqs) for seqs in seqs_of.values())
             bar.update(n - done)
             done = n
+
+        try:
+            for p, sp, lr in zip(prompts, params, loras):
+                rid = f"offline-{next(self._ids)}"
+                while True:
+                    try:
+                        seqs_of[rid] = eng.add_request(rid, p, sp, lora_request=lr)
+                        break
+                    except LoraSlotError:  # more adapters than slots: run until a running one ends
+                        if not eng.has_unfinished():
+                            raise
+                        step()
+                order.append((rid, p))
+            while eng.has_unfinished():
+                step()
+        except BaseException:  # a bad prompt (or Ctrl-C): none of this call's requests stay queued
+            for rid in seqs_of:
+                eng.abort_request(rid)
+            raise
         bar.close()
         results = []
         for rid, prompt in order:
@@ -211,8 +230,10 @@ class LLM:
         """prompts: texts, token-id lists, or (vLLM's shape) dicts {"prompt": text or
         "prompt_token_ids": ids, "multi_modal_data": {"image": a PIL image or a list of them}} for a
         multimodal model, one image per image placeholder in the prompt.
-        lora_request: a LoRARequest (or adapter name) of the engine's lora_modules for every prompt, or a
-        list of them (None entries: the base model), one per prompt; the prompts run in one batch."""
+        lora_request: a LoRARequest (or the name of a loaded adapter) for every prompt, or a list of them
+        (None entries: the base model), one per prompt; the prompts run in one batch. A LoRARequest whose
+        lora_path is not loaded yet is loaded on demand into a free adapter slot (max_loras), evicting
+        the least recently used on-demand adapter; more adapters than slots run in turns."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [self._prompt_from_dict(p) if isinstance(p, dict) else p for p in prompts]
@@ -274,6 +295,19 @@ class LLM:
             text = self.apply_chat_template(msgs, tools, add_generation_prompt)
             prompts.append(self.engine.multimodal_prompt(self.tokenizer.encode(text), images, text))
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+
+    def add_lora(self, lora_request) -> int:
+        """Load a LoRARequest(name, id, path) into a free adapter slot (max_loras): later requests name it.
+        Returns the slot. Nothing compiles."""
+        return self.engine.add_lora(lora_request.lora_name, lora_request.lora_path)
+
+    def remove_lora(self, name) -> None:
+        """Unload an adapter (a name or a LoRARequest); its slot is free for the next one."""
+        self.engine.remove_lora(getattr(name, "lora_name", name))
+
+    def list_loras(self) -> dict[str, str]:
+        """The loaded adapters: name -> directory."""
+        return dict(self.engine.lora_paths)
 
     def score(self, texts: str | list[str], use_tqdm: bool = False, lora_request=None) -> list[ScoreOutput]:
         """Per-token log-probabilities of each text under the model, or under an adapter of lora_modules

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.lora_slots import LoraSlotError, LoraSlots
 from jaxserve.engine.output import SeqOutput, TextState
 from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.engine.sequence import FinishReason, Sequence, SeqStatus
@@ -45,6 +46,8 @@ class LoadedModel:
     rules: dict | None = None
     vision: Any = None  # a multimodal model's image encoder (loader/vision_weights.VisionModel)
     lora_names: tuple[str, ...] = ()  # multi-LoRA: the adapters stacked in the weights (slot n = name n-1)
+    lora_targets: tuple[str, ...] = ()  # the projections the stacks hold (loader/lora.SERVED_TARGETS names)
+    lora_rank: int = 0  # the rank they are padded to
 
 
 def check_lora_layout(lora_modules, tp: int | None = 1, dp: int = 1, devices=None, num_nodes: int = 1) -> None:
@@ -152,7 +155,8 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                yarn_scaling_factor: float | None = None, revision: str | None = None,
                tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
                isq: str | None = None, lm_head: bool = True, lora: tuple[str, ...] = (),
-               lora_modules: tuple[tuple[str, str], ...] = (), max_lora_rank: int | None = None) -> LoadedModel:
+               lora_modules: tuple[tuple[str, str], ...] = (), max_lora_rank: int | None = None,
+               max_loras: int | None = None) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device.
 
     tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
@@ -164,7 +168,9 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     lm_head False: see open_model. lora: PEFT LoRA adapter directories merged into the weights
     (loader/lora.py), before any ISQ. lora_modules: (name, directory) adapters served side by side
     (multi-LoRA, one device): read and checked before the weights, stacked into the layers' `lora`
-    subtree (models/lora.py) padded to max_lora_rank (None: the largest rank)."""
+    subtree (models/lora.py) padded to max_lora_rank (None: the largest rank); max_loras: adapter slots
+    (None: one per lora_modules entry; with more, the stacks hold every projection at max_lora_rank,
+    default 16, for adapters loaded later)."""
     import jax
     import jax.numpy as jnp
 
@@ -179,10 +185,10 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     elif packed and (tp > 1 or dp > 1):
         raise ValueError("packed quantized weights run on one device: use packed_weights=False (--packed off) "
                          "with tensor or data parallelism")
-    check_lora_layout(lora_modules, tp, dp, devices)
+    check_lora_layout(lora_modules or max_loras, tp, dp, devices)
     if model and model.startswith(RANDOM_PREFIX):
-        if lora_modules:
-            raise ValueError("lora_modules need a model with real weights (a random: model has no adapters)")
+        if lora_modules or max_loras:
+            raise ValueError("LoRA adapters need a model with real weights (a random: model has no adapters)")
         return random_model(model[len(RANDOM_PREFIX):], dtype=dtype, tp=tp, devices=devices, dp=dp)
     src = open_model(model, file=file, weights_file=weights_file, yarn_scaling_factor=yarn_scaling_factor,
                      revision=revision, packed=packed, lm_head=lm_head)
@@ -196,9 +202,12 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     cfg = src.cfg
     from jaxserve.loader import lora as lora_mod
 
-    if lora_modules:  # read and checked before the (long) weight load
-        stacks = lora_mod.stack_adapters([lora_mod.open_adapter(p, cfg) for _, p in lora_modules], cfg,
-                                         max_lora_rank)
+    slots = max_loras or len(lora_modules)
+    if slots:  # read and checked before the (long) weight load
+        adapters = [lora_mod.open_adapter(p, cfg) for _, p in lora_modules]
+        spare = slots > len(adapters)  # room for adapters loaded later: every projection, a fixed rank
+        rank = max_lora_rank or (16 if spare else None)
+        stacks = lora_mod.stack_adapters(adapters, cfg, rank, lora_mod.SERVED_TARGETS if spare else None, slots)
     mesh, rules, shardings = _placement(cfg, tp, devices, dp)
     stream = src.tensors()
     if lora:
@@ -213,7 +222,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                           packed=packed and (src.kind == "gguf" or bool(isq) or bool(src.prequantized)))
     if native:
         weights = _to_native_cpu(cfg, src, weights)
-    if lora_modules:
+    if slots:
         from jaxserve.models.lora import attach
 
         weights = attach(weights, stacks, jnp.dtype(dtype))
@@ -227,7 +236,9 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
         vision = load_vision(src.model_dir, src.vision, dtype)
     return LoadedModel(cfg=cfg, tokenizer=src.tokenizer, weights=weights, name=name,
                        generation_defaults=src.generation_defaults, mesh=mesh, rules=rules,
-                       lora_names=tuple(n for n, _ in lora_modules), vision=vision)
+                       lora_names=tuple(n for n, _ in lora_modules), vision=vision,
+                       lora_targets=tuple(stacks) if slots else (),
+                       lora_rank=next(iter(stacks.values()))["a"].shape[-1] if slots and stacks else 0)
 
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model's name when none is given
@@ -386,18 +397,19 @@ class LLMEngine:
             model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
             yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices,
             packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora, lora_modules=ecfg.lora_modules,
-            max_lora_rank=ecfg.max_lora_rank)
+            max_lora_rank=ecfg.max_lora_rank, max_loras=ecfg.max_loras)
         self.load_seconds = time.perf_counter() - t0
         log.info("model %s loaded in %.1fs", getattr(model, "name", model), self.load_seconds)
         self.model = lm
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
-        # multi-LoRA: a request's adapter name -> its slot (1..N) in the weights' stacks
+        # multi-LoRA: which adapter sits in which slot (1..N) of the weights' stacks
         if lm.mesh is not None:  # a model loaded elsewhere onto a mesh
-            check_lora_layout(ecfg.lora_modules, devices=lm.mesh.devices)
-        self.lora_paths = dict(ecfg.lora_modules)
-        if tuple(self.lora_paths) != lm.lora_names:
-            raise ValueError(f"the engine config's lora_modules {list(self.lora_paths)} are not the adapters "
-                             f"the loaded model carries {list(lm.lora_names)} (load_model(..., lora_modules=...))")
+            check_lora_layout(ecfg.lora_slots, devices=lm.mesh.devices)
+        if tuple(n for n, _ in ecfg.lora_modules) != lm.lora_names:
+            raise ValueError(f"the engine config's lora_modules {[n for n, _ in ecfg.lora_modules]} are not the "
+                             f"adapters the loaded model carries {list(lm.lora_names)} (load_model(..., "
+                             "lora_modules=...))")
+        self.lora = LoraSlots(ecfg.lora_slots, ecfg.lora_modules)
         if ecfg.max_model_len > lm.cfg.max_position_embeddings and not lm.cfg.rope_scaling:
             log.warning("max_model_len %d exceeds the model's %d positions", ecfg.max_model_len,
                         lm.cfg.max_position_embeddings)
@@ -508,20 +520,73 @@ class LLMEngine:
                                    v.num_features, text if text is not None else
                                    prompt if isinstance(prompt, str) else None)
 
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """The loaded LoRA adapters: name -> directory."""
+        return self.lora.paths
+
     def lora_slot(self, lora_request) -> int:
-        """The adapter slot of a request's lora_request: a LoRARequest or an adapter name of lora_modules
-        (None: the base model, slot 0). Read-only: the server checks requests with it."""
+        """The adapter slot of a request's lora_request: a LoRARequest or the name of a loaded adapter
+        (None: the base model, slot 0). Read-only: the server checks requests with it. A LoRARequest
+        with a lora_path naming an adapter not loaded yet passes (0) when slots for loading exist:
+        add_request loads it."""
         if lora_request is None:
             return 0
         name = getattr(lora_request, "lora_name", lora_request)
-        if name not in self.lora_paths:
-            raise SamplingParamsError(f"no LoRA adapter named {name!r} is loaded (lora_modules: "
-                                      f"{', '.join(self.lora_paths) or 'none'})", "model")
         path = getattr(lora_request, "lora_path", None)
-        if path and Path(path).expanduser().resolve() != Path(self.lora_paths[name]).expanduser().resolve():
-            raise SamplingParamsError(f"the adapter {name!r} is loaded from {self.lora_paths[name]}, not {path} "
-                                      "(adapters are loaded at start-up: lora_modules)", "model")
-        return list(self.lora_paths).index(name) + 1
+        if name not in self.lora.slot_of and path and self.lora.num_slots > len(self.model.lora_names):
+            return 0
+        try:
+            return self.lora.lookup(name, path)
+        except LoraSlotError as e:
+            raise SamplingParamsError(str(e), "model") from None
+
+    def _resolve_lora(self, lora_request) -> tuple[int, str]:
+        """(slot, prefix-cache key) of a request's adapter, loading a LoRARequest's lora_path on demand."""
+        if lora_request is None:
+            return 0, ""
+        name = getattr(lora_request, "lora_name", lora_request)
+        path = getattr(lora_request, "lora_path", None)
+        if name not in self.lora.slot_of and path and self.lora.num_slots > len(self.model.lora_names):
+            self.add_lora(name, path, on_demand=True)
+        slot = self.lora_slot(lora_request)
+        return slot, self.lora.keys[name]
+
+    def prepare_lora(self, path: str) -> dict:
+        """Read and check a PEFT adapter directory for a free slot: its stacks for one slot (numpy). Touches
+        no engine state, so the server runs it off the engine thread."""
+        from jaxserve.loader import lora as lora_mod
+
+        if self.lora.num_slots == 0:
+            raise LoraSlotError("this engine has no LoRA adapter slots (start it with max_loras / --max-loras, "
+                                "or lora_modules)")
+        ad = lora_mod.open_adapter(path, self.cfg)
+        return lora_mod.stack_adapters([ad], self.cfg, self.model.lora_rank, self.model.lora_targets, 1)
+
+    def add_lora(self, name: str, path: str, stacks: dict | None = None, on_demand: bool = False) -> int:
+        """Load a PEFT LoRA adapter into a free adapter slot (or the least recently used on-demand one) under
+        `name`; returns the slot. Nothing compiles: the slot's rows of the stacks are replaced. stacks: what
+        prepare_lora(path) returned, when it ran elsewhere."""
+        if not name or not isinstance(name, str):
+            raise LoraSlotError("a LoRA adapter needs a name")
+        if name in self.lora.slot_of:
+            raise LoraSlotError(f"a LoRA adapter named {name!r} is already loaded (from {self.lora.paths[name]})")
+        if stacks is None:
+            stacks = self.prepare_lora(path)
+        slot, evicted = self.lora.choose(self._lora_slots_in_use(), may_evict=True)
+        self.runner.write_lora_slot(slot, stacks)
+        self.lora.add(name, str(path), slot, on_demand)
+        log.info("LoRA adapter %s loaded from %s into slot %d%s", name, path, slot,
+                 f" (evicting {evicted})" if evicted else "")
+        return slot
+
+    def remove_lora(self, name: str) -> None:
+        """Unload a LoRA adapter: new requests cannot name it; running ones finish with it, then its slot is
+        free (its stacks stay until another adapter takes the slot)."""
+        self.lora.remove(name)
+
+    def _lora_slots_in_use(self) -> set[int]:
+        return {s.lora_slot for seqs in self.requests.values() for s in seqs if s.lora_slot and not s.is_finished}
 
     def add_request(self, request_id: str, prompt, params: SamplingParams,
                     arrival_time: float | None = None, lora_request=None) -> list[Sequence]:
@@ -535,12 +600,13 @@ class LLMEngine:
         prompt_ids = list(mm.token_ids) if mm else self.tokenizer.encode(prompt) if isinstance(prompt, str) \
             else list(prompt)
         self.validate(mm or prompt_ids, params)
-        slot = self.lora_slot(lora_request)
+        slot, lora_key = self._resolve_lora(lora_request)
         seqs = []
         for i in range(params.n):
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
-                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm, lora_slot=slot)
+                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm, lora_slot=slot,
+                           lora_key=lora_key)
             if params.structured is not None:
                 seq.matcher = self.grammar_compiler.matcher(params.structured, prompt_ids)
             if arrival_time is not None:

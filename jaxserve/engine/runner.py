@@ -219,7 +219,7 @@ class ModelRunner:
             # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv)
             self.qmatmul = dense_gemv.engine_matmul(self.qmatmul, **(dense_gemv_tuning or {}))
         self.num_top = ecfg.max_logprobs
-        self.num_adapters = len(ecfg.lora_modules)  # multi-LoRA: the step inputs carry each token's slot
+        self.num_adapters = ecfg.lora_slots  # multi-LoRA: the step inputs carry each token's slot
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
         self.MB = ecfg.max_blocks_per_seq
         consts = tf.layer_constants(cfg)
@@ -283,6 +283,15 @@ class ModelRunner:
         return weights
 
     # ------------------------------------------------------------------ programs
+    def write_lora_slot(self, slot: int, stacks: dict) -> None:
+        """Put one adapter's stacks (loader/lora.stack_adapters, one slot) into adapter slot `slot` of the
+        weights (models/lora.write_slot: no compile; steps dispatched before keep the old stacks)."""
+        from jaxserve.loader.lora import target_dims
+        from jaxserve.models import lora as lora_mod
+
+        dims = {t: target_dims(self.cfg, t)[1] for t in ("q", "k", "v", "o", "gate", "up", "down")}
+        self.weights = lora_mod.write_slot(self.weights, slot, stacks, dims)
+
     def program_keys(self) -> list[tuple]:
         keys = [("decode", s) for s in self.ecfg.seq_buckets]
         keys += [("mixed", t) for t in self.ecfg.token_buckets]

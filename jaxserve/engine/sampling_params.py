@@ -106,9 +106,10 @@ class SamplingParams:
 @dataclass(frozen=True)
 class LoRARequest:
     """The adapter a request runs with, as vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)`: it
-    names one of the engine's lora_modules (adapters are loaded at start-up, not per request). A
-    lora_path, when given, must be that module's directory; lora_int_id is vLLM's numeric id, not
-    needed here (the name identifies the adapter)."""
+    names a loaded adapter (lora_modules, LLM.add_lora), or with a lora_path not loaded yet it is loaded
+    on demand into a free adapter slot (max_loras). A lora_path given for a loaded name must be the
+    directory it was loaded from; lora_int_id is vLLM's numeric id, not needed here (the name
+    identifies the adapter)."""
 
     lora_name: str
     lora_int_id: int = 0

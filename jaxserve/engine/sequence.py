@@ -53,6 +53,7 @@ class Sequence:
     mm: object | None = None
     # multi-LoRA: the adapter it runs with (1..N, the engine's lora_modules in order; 0 = the base model)
     lora_slot: int = 0
+    lora_key: str = ""  # the adapter's load (engine/lora_slots.py): its prefix-cache blocks are its own
 
     @property
     def num_prompt_tokens(self) -> int:

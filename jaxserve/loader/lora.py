@@ -152,12 +152,15 @@ def target_dims(cfg, name: str) -> tuple[int, int]:
     return {"q": (D, Q), "k": (D, KV), "v": (D, KV), "o": (Q, D), "gate": (D, I), "up": (D, I), "down": (I, D)}[name]
 
 
-def stack_adapters(adapters: list[LoraAdapter], cfg, max_rank: int | None = None) -> dict:
+def stack_adapters(adapters: list[LoraAdapter], cfg, max_rank: int | None = None,
+                   targets: tuple[str, ...] | None = None, num_slots: int | None = None) -> dict:
     """The adapters' updates stacked for serving them side by side: {target: {"a": [L, in, 1, N, R],
     "b": [L, 1, N, R, out]}} float32. Adapter n (0-based here; slot n + 1 for requests, slot 0 =
-    no adapter) fills index n of the N axis; ranks are zero-padded to R (max_rank, or the largest
-    rank); the scale is folded into B; layers or targets an adapter does not touch stay zero. The
-    axis of size 1 is the part axis of fused projections (models/lora.fuse)."""
+    no adapter) fills index n of the N axis (N = num_slots, default one per adapter: the rest stay zero
+    for adapters loaded later); ranks are zero-padded to R (max_rank, or the largest rank); the scale is
+    folded into B; layers or targets an adapter does not touch stay zero. targets: the projections
+    stacked (default: those the adapters touch); an adapter touching another one is refused. The axis
+    of size 1 is the part axis of fused projections (models/lora.fuse)."""
     R = max_rank or max(a.shape[0] for ad in adapters for a, _, _ in ad.deltas.values())
     for ad in adapters:
         for (canon, layer), (a, b, _) in ad.deltas.items():
@@ -165,14 +168,21 @@ def stack_adapters(adapters: list[LoraAdapter], cfg, max_rank: int | None = None
             if name not in SERVED_TARGETS:  # (open_adapter let the MoE router / shared expert through)
                 raise LoraError(f"{ad.path}: targets {name}[{layer}]; a served adapter may target the "
                                 f"{'/'.join(SERVED_TARGETS)} projections only (--lora merges any linear)")
+            if targets is not None and name not in targets:
+                raise LoraError(f"{ad.path}: targets {name}, which the served adapters' stacks do not hold "
+                                f"(they hold {'/'.join(targets)}: the projections of the start-up adapters; "
+                                "a --max-loras above the number of --lora-modules makes them hold every one)")
             want = target_dims(cfg, name)
             if (a.shape[1], b.shape[0]) != want:
                 raise LoraError(f"{ad.path}: {name}[{layer}] update is {a.shape[1]}x{b.shape[0]} but this "
                                 f"{cfg.arch} model's weight is {want[0]}x{want[1]} (an adapter of another base model?)")
             if a.shape[0] > R:
                 raise LoraError(f"{ad.path}: {name}[{layer}] has rank {a.shape[0]}, above max_lora_rank {R}")
-    names = sorted({k[0].split(".", 1)[1] for ad in adapters for k in ad.deltas}, key=SERVED_TARGETS.index)
-    L, N = cfg.num_layers, len(adapters)
+    names = targets if targets is not None else \
+        sorted({k[0].split(".", 1)[1] for ad in adapters for k in ad.deltas}, key=SERVED_TARGETS.index)
+    L, N = cfg.num_layers, num_slots or len(adapters)
+    if len(adapters) > N:
+        raise ValueError(f"{len(adapters)} adapters for {N} slots")
     out = {}
     for name in names:
         i, o = target_dims(cfg, name)

@@ -52,6 +52,7 @@ def fuse(lora: dict, parts: tuple[str, ...], new: str, out_dims: list[int]) -> d
     if not have:
         return lora
     lora = dict(lora)
+    xp = np if isinstance(lora[have[0]]["a"], np.ndarray) else jnp  # host stacks stay on the host
     offs = np.cumsum([0, *out_dims])
     a, b = [], []
     for p in have:
@@ -59,6 +60,46 @@ def fuse(lora: dict, parts: tuple[str, ...], new: str, out_dims: list[int]) -> d
         ab = lora.pop(p)
         a.append(ab["a"])
         pad = [(0, 0)] * (ab["b"].ndim - 1) + [(int(offs[k]), int(offs[-1] - offs[k + 1]))]
-        b.append(jnp.pad(ab["b"], pad))
-    lora[new] = {"a": jnp.concatenate(a, axis=-3), "b": jnp.concatenate(b, axis=-4)}
+        b.append(xp.pad(ab["b"], pad))
+    lora[new] = {"a": xp.concatenate(a, axis=-3), "b": xp.concatenate(b, axis=-4)}
     return lora
+
+
+# fused projections the model may have joined (models/transformer.fuse_projections), and their parts
+FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
+
+def write_slot(weights: dict, slot: int, stacks: dict, out_dims: dict) -> dict:
+    """weights with adapter slot `slot` (1-based) of every `lora` stack replaced by `stacks`
+    (loader/lora.stack_adapters for one slot, numpy [L, ...], the targets the weights' stacks were built
+    with; out_dims: each target's output width). The stacks are brought to the weights' own layout
+    first (fused parts joined, per-layer lists sliced); each changed array is copied to the host, edited
+    and placed back with its own sharding: no program is compiled, and a step already dispatched keeps
+    the arrays it was given."""
+    import jax
+
+    layers = weights["layers"]
+    held = (layers[0] if isinstance(layers, list) else layers)["lora"]
+    for new, parts in FUSED_PARTS.items():
+        if new in held:
+            stacks = fuse(stacks, parts, new, [out_dims[p] for p in parts])
+    if set(stacks) != set(held):
+        raise ValueError(f"adapter stacks {sorted(stacks)} do not match the model's {sorted(held)}")
+
+    def put(old, new, key: str):  # the slot axis: a [.., in, P, N, R], b [.., P, N, R, out]
+        axis = old.ndim - (2 if key == "a" else 3)
+        host = np.array(old)
+        idx = [slice(None)] * host.ndim
+        idx[axis] = slot - 1
+        host[tuple(idx)] = np.take(np.asarray(new, np.float32), 0, axis=axis)
+        return jax.device_put(host, old.sharding)
+
+    def edit(lora: dict, i: int | None) -> dict:
+        return {t: {k: put(lora[t][k], stacks[t][k] if i is None else stacks[t][k][i], k) for k in ("a", "b")}
+                for t in lora}
+
+    if isinstance(layers, list):
+        layers = [dict(w, lora=edit(w["lora"], i)) for i, w in enumerate(layers)]
+    else:
+        layers = dict(layers, lora=edit(layers["lora"], None))
+    return dict(weights, layers=layers)

@@ -345,6 +345,9 @@ def _check_lora_modules(state: ServerState, ecfg) -> None:
         if name in base:
             raise ValueError(f"--lora-modules: the adapter name {name!r} is also the base model's name")
         adapter_config(path)
+    if getattr(state.args, "enable_lora_loading", False) and ecfg.lora_slots <= len(ecfg.lora_modules):
+        raise ValueError(f"--enable-lora-loading needs adapter slots to load into: --max-loras above the number "
+                         f"of --lora-modules ({len(ecfg.lora_modules)})")
 
 
 def serve(args) -> int:

@@ -16,6 +16,7 @@ from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
                                       parse_request)
 from jaxserve.server.images import chat_prompt
+from jaxserve.server.lora import load_lora_adapter, unload_lora_adapter
 from jaxserve.server.sampling import check_ids
 
 STATE = web.AppKey("jaxserve_state", object)
@@ -118,7 +119,9 @@ def add_routes(app: web.Application) -> None:
              "/score": _json_endpoint(score),
              "/classify": _json_endpoint(classify),
              "/tokenize": _json_endpoint(tokenize),
-             "/detokenize": _json_endpoint(detokenize)}
+             "/detokenize": _json_endpoint(detokenize),
+             "/load_lora_adapter": _json_endpoint(load_lora_adapter),
+             "/unload_lora_adapter": _json_endpoint(unload_lora_adapter)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics}
     for prefix in ("/v1", ""):
         for path, h in posts.items():

@@ -1,0 +1,70 @@
+"""Loading and unloading LoRA adapters while serving (vLLM's /v1/load_lora_adapter and
+/v1/unload_lora_adapter). Off unless the server was started with --enable-lora-loading: a load reads
+any directory the server process can read. Adapters go into free adapter slots (--max-loras); a
+loaded adapter is a model name for every generation endpoint and is listed by /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.protocol import _Req, parse_request
+
+
+class LoadLoRAAdapterRequest(_Req):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Req):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's numeric id: accepted, the name identifies the adapter
+
+
+def _require_loading(state) -> None:
+    if not getattr(state.args, "enable_lora_loading", False):
+        raise APIError(404, "loading LoRA adapters while serving is off: start the server with "
+                       "--enable-lora-loading (and --max-loras above the number of --lora-modules)",
+                       code="not_found")
+    state.require_generative()
+
+
+async def load_lora_adapter(request: web.Request, state, body) -> web.Response:
+    from jaxserve.engine.lora_slots import LoraSlotError
+    from jaxserve.loader.lora import LoraError
+
+    _require_loading(state)
+    req = parse_request(LoadLoRAAdapterRequest, body)
+    name = req.lora_name.strip()
+    if not name or not req.lora_path.strip():
+        raise bad_request("lora_name and lora_path must not be empty", "lora_name" if not name else "lora_path")
+    if name in state.accepted_names or name in state.served_names:
+        raise bad_request(f"{name!r} is the base model's name; an adapter needs a name of its own", "lora_name")
+    if name in state.adapters:
+        raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+    eng = state.engine
+    try:  # read off both the event loop and the engine thread; only the slot write runs on the latter
+        stacks = await asyncio.get_running_loop().run_in_executor(None, eng.prepare_lora, req.lora_path)
+        await state.aengine.call(lambda: eng.add_lora(name, req.lora_path, stacks))
+    except (LoraError, LoraSlotError, OSError) as e:
+        raise bad_request(str(e), "lora_path" if isinstance(e, (LoraError, OSError)) else "lora_name") from None
+    state.adapters = dict(eng.lora_paths)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request, state, body) -> web.Response:
+    from jaxserve.engine.lora_slots import LoraSlotError
+
+    _require_loading(state)
+    req = parse_request(UnloadLoRAAdapterRequest, body)
+    if req.lora_name not in state.adapters:
+        raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name", "not_found")
+    eng = state.engine
+    try:
+        await state.aengine.call(lambda: eng.remove_lora(req.lora_name))
+    except LoraSlotError as e:  # unloaded meanwhile by another request
+        raise APIError(404, str(e), "lora_name", "not_found") from None
+    state.adapters = dict(eng.lora_paths)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
