@@ -50,16 +50,18 @@ for part in "$@"; do
          timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
            --workloads 1x128x256,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -4 ;;
     # The in-place MoE expert kernels (kernels/moe_gemv): the tests compiled on the GPU, then per layer
-    # call at the Qwen3-30B-A3B shape against XLA's gathered-weights path (bs1 and 32 tokens)
+    # call at the Qwen3-30B-A3B shape against XLA's gathered-weights path (bs1 and 32 tokens); the engine
+    # part needs an H200 (61 GB of bf16 weights: out of memory on an 80 GB H100, session 18)
     moe-kernels) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider \
                    tests/test_moe_gemv.py 2>&1 | tail -15
                  timeout 300 python3 bench/moe_gpu.py 2>&1 | tail -40
                  timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
                    --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile 16 --json "$OUT/throughput.jsonl" \
                    2>&1 | grep -v "^  run" | tail -4 ;;
-    # Packed (quantized) MoE experts (session 17): the grouped quantized matmul's tests compiled on the
-    # GPU, per layer call at Qwen3-30B-A3B's shape (q4k, q8_0) against XLA's gather + dequantize, then
-    # the engine (q4k experts and attention, random codes) on XLA's path and on the kernel
+    # Packed (quantized) MoE experts (session 17; measured on an H100 in session 18): the grouped quantized
+    # matmul's tests compiled on the GPU, per layer call at Qwen3-30B-A3B's shape (q4k, q8_0) against XLA's
+    # gather + dequantize, then the engine (q4k experts and attention, random codes) on XLA's path and on
+    # the kernel (~150-190 s each on an H100)
     moe-packed) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider \
                   tests/test_moe_quant.py -k "grouped or kernel_path" 2>&1 | tail -8
                 timeout 200 python3 bench/moe_gpu.py --quant q4k 2>&1 | tail -12

@@ -216,7 +216,10 @@ def test_grouped_qmatmul_matches_the_dequantized_experts(fmt):
         y = np.asarray(grouped_qmatmul(jnp.asarray(x), qw, jnp.asarray(g), live_groups=jnp.asarray([G - 1])))
         live = (G - 1) * R
         want = np.concatenate([x[i * R:(i + 1) * R] @ W[g[i]] for i in range(G)])[:live]
-        np.testing.assert_allclose(y[:live], want, atol=1e-4 * np.abs(want).max(), rtol=1e-4)
+        # compiled on a GPU, 'dot' tiles multiply f32 x on the tensor cores (TF32-like: measured up to
+        # 5e-4 of the largest output); a wrong expert or scale is off by O(1) of it
+        tol = 1e-4 if jax.default_backend() == "cpu" else 2e-3
+        np.testing.assert_allclose(y[:live], want, atol=tol * np.abs(want).max(), rtol=1e-4)
     assert not grouped_supports(qw, 3) and not grouped_supports(qw[0], 1)
 
 
