@@ -38,7 +38,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
                         "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}')")
     g.add_argument("--lora", action="append", default=None, metavar="DIR",
-                   help="a PEFT LoRA adapter directory merged into the weights at load (repeat for several)")
+                   help="a PEFT LoRA adapter directory (or a llama.cpp LoRA .gguf) merged into the weights at load "
+                        "(repeat for several)")
     g.add_argument("--lora-modules", action="append", nargs="+", type=_lora_module, default=None,
                    metavar="NAME=DIR",
                    help="serve PEFT LoRA adapters beside the base model (multi-LoRA, as vLLM's): requests pick "

@@ -43,6 +43,47 @@ def test_merged_adapter_matches_peft(tmp_path, rslora):
     check_paged_parity(merged, lm.cfg, lm.weights)
 
 
+def test_gguf_adapter_matches_peft(tmp_path):
+    """A llama.cpp LoRA GGUF (tests/gguf_adapter.py: the PEFT adapter converted as convert_lora_to_gguf.py
+    does, q/k rows permuted) merges to the same model as PEFT's merge_and_unload (per-module ranks:
+    alpha / r per tensor, as llama.cpp scales); an f16 file reads within f16 rounding; a base-model GGUF
+    or a token-embedding adapter is refused by name."""
+    import gguf
+    import transformers
+
+    from gguf_adapter import write_gguf_adapter
+    from jaxserve.loader.lora import open_adapter
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    base = transformers.AutoModelForCausalLM.from_pretrained(d)
+    pm = _adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, rank_pattern={"down_proj": 2},
+                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    pm.merge_and_unload().save_pretrained(tmp_path / "merged")
+    heads = (base.config.num_attention_heads, base.config.num_key_value_heads)
+    f32 = write_gguf_adapter(tmp_path / "adapter", tmp_path / "a32.gguf", *heads)
+    lm = load_model(str(d), lora=(str(f32),))
+    check_paged_parity(tmp_path / "merged", lm.cfg, lm.weights)
+    peft = open_adapter(tmp_path / "adapter", lm.cfg).deltas
+    f16 = open_adapter(write_gguf_adapter(tmp_path / "adapter", tmp_path / "a16.gguf", *heads, np.float16),
+                       lm.cfg).deltas
+    assert set(f16) == set(peft) and len(peft) == 2 * 7
+    for k, (a, b, scale) in peft.items():
+        np.testing.assert_allclose(f16[k][0], a, rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(f16[k][1], b, rtol=1e-3, atol=1e-4)
+        assert f16[k][2] == scale
+    w = gguf.GGUFWriter(str(tmp_path / "emb.gguf"), "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_tensor("token_embd.weight.lora_a", np.zeros((2, 8), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(LoraError, match="'token_embd.weight.lora_a' is not a LoRA A/B of a linear layer"):
+        load_model(str(d), lora=(str(tmp_path / "emb.gguf"),))
+    from model_files import smollm2_gguf
+
+    with pytest.raises(LoraError, match="general.type 'model'.*not a LoRA adapter"):
+        load_model(str(d), lora=(str(smollm2_gguf()),))
+
+
 def test_adapter_on_packed_gguf_weights(tmp_path):
     """SmolLM2's Q4_1 GGUF: targets arrive packed, are dequantized and merged; the rest stays packed."""
     import jax

@@ -316,6 +316,12 @@ def test_loading_adapters_while_serving(spare, files, refs):
     assert seq.output_token_ids == want["y"].token_ids
     llm.add_lora(x)
     _same(llm.generate(prompt, _greedy(6), lora_request="x")[0].outputs[0], want["x"])
+    # the same adapter as llama.cpp's LoRA GGUF, loaded on demand (x, added by name, is never evicted)
+    llm.remove_lora("x")
+    from gguf_adapter import write_gguf_adapter
+
+    gx = write_gguf_adapter(files.x, files.tmp / "x.gguf", eng.cfg.num_heads, eng.cfg.num_kv_heads)
+    _same(llm.generate(prompt, _greedy(6), lora_request=LoRARequest("xg", 4, str(gx)))[0].outputs[0], want["x"])
     assert len(_compiles) == n, f"{len(_compiles) - n} compile(s) while loading adapters"
 
 

@@ -4,7 +4,8 @@ stacked for multi-LoRA serving (`--lora-modules name=PATH`, `LLM(..., lora_modul
 
 A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, as `peft` saves it) adds
 scale * B @ A to each target linear (scale = lora_alpha / r, or / sqrt(r) with use_rslora; per-module
-rank_pattern / alpha_pattern honoured). Merging once at load costs nothing per token and works on
+rank_pattern / alpha_pattern honoured). A llama.cpp LoRA GGUF (convert_lora_to_gguf.py) gives the same
+A/B per base tensor with one alpha for all (scale = alpha / r, llama.cpp's). Merging once at load costs nothing per token and works on
 every path (GPU kernels, tensor parallelism, ISQ: the merged weights are what gets quantized). A target
 that arrives packed (a GGUF or quantized checkpoint) is dequantized, merged and kept dense, as
 llama.cpp's merge does. What an adapter asks for that a plain merge cannot give (DoRA, trained biases,
@@ -48,10 +49,18 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
+def is_gguf_adapter(path: str | Path) -> bool:
+    p = Path(path).expanduser()
+    return p.is_file() and p.open("rb").read(4) == b"GGUF"
+
+
 def adapter_config(path: str | Path) -> tuple[Path, dict]:
-    """(directory, adapter_config.json) of a PEFT adapter directory; LoraError when it is not one (the
-    server checks --lora-modules with it before loading anything)."""
+    """(directory, adapter_config.json) of a PEFT adapter directory, or (file, GGUF metadata) of a
+    llama.cpp LoRA GGUF; LoraError when it is neither (the server checks --lora-modules with it before
+    loading anything)."""
     d = Path(path).expanduser()
+    if is_gguf_adapter(d):
+        return d, _gguf_adapter_meta(d)[1]
     conf_file = d / "adapter_config.json"
     if not conf_file.is_file():
         raise LoraError(f"{d}: not a LoRA adapter directory (no adapter_config.json)")
@@ -65,6 +74,8 @@ def open_adapter(path: str | Path, cfg) -> LoraAdapter:
     """Read and check a PEFT LoRA adapter for a base model of config `cfg` (ModelConfig)."""
     from jaxserve.loader.safetensors_loader import SafetensorsError, _map_tensor, canonical_name, read_header
 
+    if is_gguf_adapter(path):
+        return _open_gguf_adapter(Path(path).expanduser(), cfg)
     d, c = adapter_config(path)
     if str(c.get("peft_type", "LORA")).upper() != "LORA":
         raise LoraError(f"{d}: peft_type {c.get('peft_type')!r} is not LORA")
@@ -110,6 +121,60 @@ def open_adapter(path: str | Path, cfg) -> LoraAdapter:
         out.deltas[(target[0], target[1])] = (a, b, scale)
     if not out.deltas:
         raise LoraError(f"{d}: the adapter has no LoRA weights")
+    return out
+
+
+# a GGUF adapter's tensors: "blk.{layer}.{base tensor}.weight.lora_a|lora_b" (llama.cpp's convert_lora_to_gguf)
+_GGUF_LORA = re.compile(r"^blk\.(\d+)\.(.+\.weight)\.lora_([ab])$")
+
+
+def _gguf_adapter_meta(f: Path) -> tuple[list, dict]:
+    from jaxserve.loader.gguf_loader import meta_get, open_gguf
+
+    try:
+        readers = open_gguf(f)
+    except Exception as e:  # gguf raises assorted errors on a truncated or foreign file
+        raise LoraError(f"{f}: not a readable GGUF file: {e}") from None
+    meta = {k: meta_get(readers, k) for k in ("general.type", "general.architecture", "adapter.type",
+                                             "adapter.lora.alpha")}
+    if meta["general.type"] != "adapter" or meta["adapter.type"] != "lora":
+        raise LoraError(f"{f}: a GGUF file of general.type {meta['general.type']!r} / adapter.type "
+                        f"{meta['adapter.type']!r}, not a LoRA adapter (general.type 'adapter', adapter.type 'lora')")
+    return readers, meta
+
+
+def _open_gguf_adapter(f: Path, cfg) -> LoraAdapter:
+    """A llama.cpp LoRA adapter GGUF (convert_lora_to_gguf.py): lora_a [r, in] and lora_b [out, r] per base
+    tensor, any GGUF type; scale = adapter.lora.alpha / r as llama.cpp applies it (alpha 0: scale 1).
+    The `llama` architecture's q/k rows are un-permuted like the base weights' (loader/gguf_loader)."""
+    from jaxserve.loader.dequant import dequantize_tensor
+    from jaxserve.loader.gguf_loader import _PER_LAYER, unpermute_rows
+
+    readers, meta = _gguf_adapter_meta(f)
+    alpha = float(meta["adapter.lora.alpha"] or 0.0)
+    permute = meta["general.architecture"] == "llama"
+    parts: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    for t in (t for r in readers for t in r.tensors):
+        m = _GGUF_LORA.match(t.name)
+        target = _PER_LAYER.get(m[2]) if m else None
+        if target is None or not target[1]:  # (transposed = a linear's weight)
+            raise LoraError(f"{f}: tensor {t.name!r} is not a LoRA A/B of a linear layer of a {cfg.arch} model's "
+                            "blocks (token-embedding / output adapters are not supported)")
+        if int(m[1]) >= cfg.num_layers:
+            raise LoraError(f"{f}: tensor {t.name!r}: layer {m[1]} >= the base model's {cfg.num_layers}")
+        parts.setdefault((target[0], int(m[1])), {})[m[3]] = dequantize_tensor(t)
+    out = LoraAdapter(f)
+    for (name, layer), ab in parts.items():
+        if set(ab) != {"a", "b"}:
+            raise LoraError(f"{f}: {name}[{layer}] has lora_{'a' if 'a' not in ab else 'b'} missing")
+        a, b = ab["a"], ab["b"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise LoraError(f"{f}: {name}[{layer}]: lora_a {a.shape} and lora_b {b.shape} do not make a low-rank update")
+        if permute and name in ("layers.q", "layers.k"):
+            b = b[unpermute_rows(b.shape[0], cfg.num_heads if name == "layers.q" else cfg.num_kv_heads)]
+        out.deltas[(name, layer)] = (a, b, alpha / a.shape[0] if alpha else 1.0)
+    if not out.deltas:
+        raise LoraError(f"{f}: the adapter has no LoRA weights")
     return out
 
 
