@@ -224,19 +224,31 @@ def _params_from_args(args, **extra):
     return SamplingParams(**kw)
 
 
+def _adapter(args):
+    """--adapter NAME: one of the --lora-modules names (checked before the load)."""
+    name = getattr(args, "adapter", None)
+    if name is not None and name not in {n for group in args.lora_modules or () for n, _ in group}:
+        raise SystemExit(f"--adapter {name}: not a --lora-modules name (given: "
+                         f"{', '.join(n for g in args.lora_modules or () for n, _ in g) or 'none'})")
+    return name
+
+
 def cmd_generate(args) -> int:
     images = [_open_image(p) for p in args.image or []]  # before the (long) load
+    adapter = _adapter(args)
     llm = _make_llm(args)
     if llm.is_follower:  # multi-host rank > 0: ran rank 0's steps until it finished
         return 0
     params = _params_from_args(args, max_tokens=args.max_tokens, seed=args.sample_seed)
     if args.chat:
         content = [{"type": "image_pil", "image_pil": im} for im in images] + [{"type": "text", "text": args.prompt}]
-        outs = llm.chat([{"role": "user", "content": content if images else args.prompt}], params)
+        outs = llm.chat([{"role": "user", "content": content if images else args.prompt}], params,
+                        lora_request=adapter)
     elif images:
-        outs = llm.generate({"prompt": args.prompt, "multi_modal_data": {"image": images}}, params)
+        outs = llm.generate({"prompt": args.prompt, "multi_modal_data": {"image": images}}, params,
+                            lora_request=adapter)
     else:
-        outs = llm.generate(args.prompt, params)
+        outs = llm.generate(args.prompt, params, lora_request=adapter)
     o = outs[0].outputs[0]
     print(o.text)
     print(f"[finish_reason={o.finish_reason} tokens={len(o.token_ids)}]", file=sys.stderr)
@@ -270,6 +282,7 @@ def cmd_score(args) -> int:
                 raise SystemExit(f"{args.input}:{n}: needs a non-empty string field {args.field!r}")
             texts.append(text)
             rows.append(row)
+    adapter = _adapter(args)
     llm = _make_llm(args)  # after the input is known to be good: loading takes a while
     if llm.is_follower:
         return 0
@@ -277,7 +290,7 @@ def cmd_score(args) -> int:
     bs = max(1, args.batch_size)
     with tqdm(total=len(texts), desc="score", disable=not sys.stderr.isatty()) as bar:
         for i in range(0, len(texts), bs):
-            for row, sc in zip(rows[i:i + bs], llm.score(texts[i:i + bs])):
+            for row, sc in zip(rows[i:i + bs], llm.score(texts[i:i + bs], lora_request=adapter)):
                 res = dict(row)
                 res.update(num_tokens=len(sc.token_ids), token_ids=sc.token_ids, logprobs=sc.logprobs,
                            total_logprob=sc.total_logprob, perplexity=sc.perplexity)
@@ -338,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image", action="append", help="an image file for a multimodal model (repeatable; with "
                    "--chat the images come before the text, else the prompt needs one <image> placeholder each)")
     g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--adapter", default=None, metavar="NAME", help="run with this --lora-modules adapter")
     g.add_argument("--sample-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
 
@@ -347,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--output", required=True, help="JSONL output ('-' for stdout)")
     sc.add_argument("--field", default="text")
     sc.add_argument("--batch-size", type=int, default=64)
+    sc.add_argument("--adapter", default=None, metavar="NAME", help="score under this --lora-modules adapter")
     sc.set_defaults(func=cmd_score)
     return p
 

@@ -371,3 +371,22 @@ def test_server_loads_adapters(spare, files, refs):
     asyncio.run(run(True))
     off = asyncio.run(run(False))
     assert [s for s, _ in off] == [404, 404] and all("--enable-lora-loading" in t for _, t in off)
+
+
+def test_cli_adapter(files, refs, capsys, tmp_path):
+    """`jaxserve generate / score --adapter NAME` run with that --lora-modules adapter; an unknown name
+    stops before the load."""
+    from jaxserve.cli import main
+
+    eng = ["--model", str(files.base), "--lora-modules", f"x={files.x}", f"y={files.y}", "--max-model-len", "128",
+           "--max-num-seqs", "1", "--prefill-chunk-size", "32", "--temperature", "0"]
+    assert main(["generate", *eng, "--adapter", "y", "--prompt", PROMPTS[1], "--max-tokens", "8"]) == 0
+    want = refs["y"].generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert want and capsys.readouterr().out == want + "\n"
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": PROMPTS[3]}) + "\n")
+    assert main(["score", *eng[:-2], "--adapter", "x", "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "out.jsonl")]) == 0
+    got = json.loads((tmp_path / "out.jsonl").read_text())["logprobs"][1:]
+    np.testing.assert_allclose(got, refs["x"].score(PROMPTS[3])[0].logprobs[1:], atol=2e-4)
+    with pytest.raises(SystemExit, match="--adapter z: not a --lora-modules name \\(given: x, y\\)"):
+        main(["generate", *eng, "--adapter", "z", "--prompt", "hi"])
