@@ -64,7 +64,8 @@ def multi(files):
 def refs(files):
     """The plain base model and each adapter merged at load."""
     return {None: LLM(str(files.base), **KW), "x": LLM(str(files.base), lora=[str(files.x)], **KW),
-            "y": LLM(str(files.base), lora=[str(files.y)], **KW)}
+            "y": LLM(str(files.base), lora=[str(files.y)], **KW),
+            "xy": LLM(str(files.base), lora=[str(files.x), str(files.y)], **KW)}
 
 
 def _greedy(n=10):
@@ -141,6 +142,27 @@ def test_prefix_cache_is_per_adapter(multi, refs):
     assert [o.num_cached_tokens for _, o in runs] == [0, 0, 0, 48, 48]
     for lr, o in runs:  # a hit reads the adapter's own K/V
         _same(o.outputs[0], refs[lr].generate(prompt, _greedy(6))[0].outputs[0])
+
+
+def test_adapter_mixtures(multi, refs):
+    """A dict {adapter: scale} mixes adapters per request (llama.cpp's `lora`): x and y at scale 1 = both
+    merged at load; {x: 1} is x (and shares its cached blocks); x at 0.5 is neither x nor the base model;
+    bad scales and names are refused."""
+    prompt = "a long shared prefix that fills two blocks of sixteen!"
+    _same(multi.generate(prompt, _greedy(8), lora_request={"x": 1, "y": 1.0})[0].outputs[0],
+          refs["xy"].generate(prompt, _greedy(8))[0].outputs[0])
+    first = multi.generate(prompt, _greedy(8), lora_request="x")[0]
+    again = multi.generate(prompt, _greedy(8), lora_request={"x": 1.0, "y": 0})[0]
+    assert again.num_cached_tokens == 48
+    _same(again.outputs[0], first.outputs[0])
+    half = multi.generate(prompt, _greedy(8), lora_request={"x": 0.5})[0]
+    assert half.num_cached_tokens == 0
+    lps = [[lp for lp, _ in o.outputs[0].logprobs] for o in (half, first, refs[None].generate(prompt, _greedy(8))[0])]
+    assert not np.allclose(lps[0][:1], lps[1][:1], atol=1e-3) and not np.allclose(lps[0][:1], lps[2][:1], atol=1e-3)
+    for bad, match in (({"x": float("nan")}, "finite number"), ({"x": "1"}, "finite number"),
+                       ({"z": 1.0}, "no LoRA adapter named 'z'")):
+        with pytest.raises(SamplingParamsError, match=match):
+            multi.generate(prompt, _greedy(2), lora_request=bad)
 
 
 def test_no_compiles_while_serving(multi):
@@ -234,6 +256,9 @@ def test_server(multi, files):
     msgs = [{"role": "user", "content": "hi there"}]
     offline = {lr: multi.chat(msgs, _greedy(8), lora_request=lr)[0].outputs[0].text for lr in (None, "x", "y")}
     completion = multi.generate(PROMPTS[2], _greedy(8), lora_request="y")[0].outputs[0].text
+    base_completion = multi.generate(PROMPTS[2], _greedy(8))[0].outputs[0].text
+    mixed = multi.generate(PROMPTS[2], _greedy(8), lora_request={"x": 1, "y": 1})[0].outputs[0].text
+    assert len({completion, base_completion, mixed}) == 3
     assert len(set(offline.values())) == 3
 
     async def run():
@@ -265,6 +290,30 @@ def test_server(multi, files):
             assert [(s, e["code"], e["param"]) for s, e in errs] == [(404, "model_not_found", "model")] * 2
             validate_schema({"error": errs[0][1]}, "ErrorResponse")
             assert (await client.get("/v1/models/z")).status == 404
+            # llama.cpp's adapter API: ids, a per-request mixture, global scales for requests naming none
+            assert await (await client.get("/lora-adapters")).json() == [
+                {"id": 0, "path": str(files.x), "scale": 0.0}, {"id": 1, "path": str(files.y), "scale": 0.0}]
+            cbody = {"model": "tiny", "prompt": PROMPTS[2], "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+            r = await (await client.post("/v1/completions", json=dict(
+                cbody, lora=[{"id": 0, "scale": 1.0}, {"id": 1, "scale": 1}]))).json()
+            assert r["choices"][0]["text"] == mixed
+            assert (await client.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}])).status == 200
+            assert [a["scale"] for a in await (await client.get("/lora-adapters")).json()] == [0.0, 1.0]
+            r = await (await client.post("/v1/completions", json=cbody)).json()
+            assert r["choices"][0]["text"] == completion  # the base model's name now runs y
+            r = await (await client.post("/v1/completions", json=dict(cbody, lora=[]))).json()
+            assert r["choices"][0]["text"] == base_completion  # a request's own (empty) mixture wins
+            assert (await client.post("/v1/lora-adapters", json=[])).status == 200
+            r = await (await client.post("/v1/completions", json=cbody)).json()
+            assert r["choices"][0]["text"] == base_completion
+            for path, js, want in (("/v1/completions", dict(cbody, lora=[{"id": 7, "scale": 1}]), "lora[0].id 7"),
+                                   ("/v1/completions", dict(cbody, model="x", lora=[]), "name the base model"),
+                                   ("/v1/completions", dict(cbody, lora=[{"id": 0}]), "lora[0].scale"),
+                                   ("/lora-adapters", {"id": 0, "scale": 1}, "JSON list"),
+                                   ("/lora-adapters", [{"id": 9, "scale": 1}], "lora[0].id 9")):
+                resp = await client.post(path, json=js)
+                assert resp.status == 400, (path, js)
+                assert want in (await resp.json())["error"]["message"] + str((await resp.json())["error"]["param"])
 
     asyncio.run(run())
 

@@ -44,9 +44,9 @@ def _block_hash(seq: Sequence, prev: bytes | None, toks, i: int, bs: int) -> byt
 def chain_root(seq: Sequence) -> bytes | None:
     """Where seq's hash chain starts: None for the base model, a value of its own per LoRA adapter load
     (engine/lora_slots.py: an adapter loaded into a freed slot, or under a reused name, starts afresh)."""
-    if not seq.lora_slot:
+    if not seq.lora_mix:
         return None
-    return hashlib.blake2b((seq.lora_key or f"lora-slot:{seq.lora_slot}").encode(), digest_size=16).digest()
+    return hashlib.blake2b((seq.lora_key or f"lora:{seq.lora_mix}").encode(), digest_size=16).digest()
 
 
 class BlockManager:

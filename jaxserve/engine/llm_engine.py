@@ -7,6 +7,7 @@ engine thread (engine/async_engine.py).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -529,9 +530,17 @@ class LLMEngine:
         """The adapter slot of a request's lora_request: a LoRARequest or the name of a loaded adapter
         (None: the base model, slot 0). Read-only: the server checks requests with it. A LoRARequest
         with a lora_path naming an adapter not loaded yet passes (0) when slots for loading exist:
-        add_request loads it."""
+        add_request loads it. A dict {adapter name: scale} mixes loaded adapters (llama.cpp's per-request
+        `lora`): every name is checked, the first one's slot returned."""
         if lora_request is None:
             return 0
+        if isinstance(lora_request, dict):
+            for n, scale in lora_request.items():
+                if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+                    raise SamplingParamsError(f"the scale of LoRA adapter {n!r} must be a finite number, got "
+                                              f"{scale!r}", "lora")
+            slots = [self.lora_slot(n) for n in lora_request]
+            return slots[0] if slots else 0
         name = getattr(lora_request, "lora_name", lora_request)
         path = getattr(lora_request, "lora_path", None)
         if name not in self.lora.slot_of and path and self.lora.num_slots > len(self.model.lora_names):
@@ -541,16 +550,23 @@ class LLMEngine:
         except LoraSlotError as e:
             raise SamplingParamsError(str(e), "model") from None
 
-    def _resolve_lora(self, lora_request) -> tuple[int, str]:
-        """(slot, prefix-cache key) of a request's adapter, loading a LoRARequest's lora_path on demand."""
+    def _resolve_lora(self, lora_request) -> tuple[tuple, str]:
+        """(((slot, scale), ...), prefix-cache key) of a request's adapter(s), loading a LoRARequest's
+        lora_path on demand; a dict {name: scale} mixes loaded adapters (scale 0: left out)."""
         if lora_request is None:
-            return 0, ""
+            return (), ""
+        if isinstance(lora_request, dict):
+            self.lora_slot(lora_request)
+            mix = {n: float(s) for n, s in lora_request.items() if s != 0}
+            key = "+".join(f"{self.lora.keys[n]}*{s!r}" for n, s in mix.items())
+            if len(mix) == 1 and 1.0 in mix.values():  # = the adapter alone: the same cached blocks
+                key = self.lora.keys[next(iter(mix))]
+            return tuple((self.lora.slot_of[n], s) for n, s in mix.items()), key
         name = getattr(lora_request, "lora_name", lora_request)
         path = getattr(lora_request, "lora_path", None)
         if name not in self.lora.slot_of and path and self.lora.num_slots > len(self.model.lora_names):
             self.add_lora(name, path, on_demand=True)
-        slot = self.lora_slot(lora_request)
-        return slot, self.lora.keys[name]
+        return ((self.lora_slot(lora_request), 1.0),), self.lora.keys[name]
 
     def prepare_lora(self, path: str) -> dict:
         """Read and check a PEFT adapter directory for a free slot: its stacks for one slot (numpy). Touches
@@ -586,7 +602,7 @@ class LLMEngine:
         self.lora.remove(name)
 
     def _lora_slots_in_use(self) -> set[int]:
-        return {s.lora_slot for seqs in self.requests.values() for s in seqs if s.lora_slot and not s.is_finished}
+        return {slot for seqs in self.requests.values() for s in seqs if not s.is_finished for slot, _ in s.lora_mix}
 
     def add_request(self, request_id: str, prompt, params: SamplingParams,
                     arrival_time: float | None = None, lora_request=None) -> list[Sequence]:
@@ -600,12 +616,12 @@ class LLMEngine:
         prompt_ids = list(mm.token_ids) if mm else self.tokenizer.encode(prompt) if isinstance(prompt, str) \
             else list(prompt)
         self.validate(mm or prompt_ids, params)
-        slot, lora_key = self._resolve_lora(lora_request)
+        lora_mix, lora_key = self._resolve_lora(lora_request)
         seqs = []
         for i in range(params.n):
             seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
-                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm, lora_slot=slot,
+                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm, lora_mix=lora_mix,
                            lora_key=lora_key)
             if params.structured is not None:
                 seq.matcher = self.grammar_compiler.matcher(params.structured, prompt_ids)

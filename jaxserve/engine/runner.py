@@ -219,7 +219,7 @@ class ModelRunner:
             # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv)
             self.qmatmul = dense_gemv.engine_matmul(self.qmatmul, **(dense_gemv_tuning or {}))
         self.num_top = ecfg.max_logprobs
-        self.num_adapters = ecfg.lora_slots  # multi-LoRA: the step inputs carry each token's slot
+        self.num_adapters = ecfg.lora_slots  # multi-LoRA: the step inputs carry each token's adapter scales
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row
         self.MB = ecfg.max_blocks_per_seq
         consts = tf.layer_constants(cfg)
@@ -467,11 +467,11 @@ class ModelRunner:
             base.update(token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
                         use_last=np.zeros(S, bool), num_steps=np.int32(1))
             if self.num_adapters:
-                base["lora"] = np.zeros(S, np.int32)
+                base["lora"] = np.zeros((S, self.num_adapters), np.float32)
             return base
         T = S + key[1]  # single-token region + tile-aligned prompt-chunk region
         if self.num_adapters:
-            base["lora"] = np.zeros(T, np.int32)
+            base["lora"] = np.zeros((T, self.num_adapters), np.float32)
         base.update(
             token_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             token_seq=np.full(T, S, np.int32), is_prompt=np.zeros(T, bool),
@@ -547,7 +547,8 @@ class ModelRunner:
                     inp["token_ids"][i] = s.seq.token_at(s.start)
                 inp["positions"][i] = s.start
                 if self.num_adapters:
-                    inp["lora"][i] = s.seq.lora_slot
+                    for slot, scale in s.seq.lora_mix:
+                        inp["lora"][i, slot - 1] = scale
             inp["num_steps"] = np.int32(sched.decode_steps)
             return key, inp, list(range(len(items)))
         inp["want_plp"] = np.bool_(want_plp)
@@ -572,7 +573,8 @@ class ModelRunner:
             inp["positions"][sl] = pos
             inp["token_seq"][sl] = i
             if self.num_adapters:
-                inp["lora"][sl] = seq.lora_slot
+                for slot, scale in seq.lora_mix:
+                    inp["lora"][sl, slot - 1] = scale
             inp["is_prompt"][sl] = pos < P
             # Output tokens re-fed after a preemption are counted again (their row was reset).
             inp["count_output"][sl] = (pos >= P) & (pos - P >= self.row_counted[seq.row])

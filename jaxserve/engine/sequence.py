@@ -51,9 +51,10 @@ class Sequence:
     matcher: object | None = None
     # image inputs (engine/multimodal.MultiModalPrompt; shared by the request's n choices)
     mm: object | None = None
-    # multi-LoRA: the adapter it runs with (1..N, the engine's lora_modules in order; 0 = the base model)
-    lora_slot: int = 0
-    lora_key: str = ""  # the adapter's load (engine/lora_slots.py): its prefix-cache blocks are its own
+    # multi-LoRA: the adapters it runs with, ((slot 1..N, scale), ...) (engine/lora_slots.py; () = the base
+    # model); one adapter at scale 1 unless a request mixes several (llama.cpp's per-request `lora`)
+    lora_mix: tuple = ()
+    lora_key: str = ""  # the adapters' loads and scales: its prefix-cache blocks are its own
 
     @property
     def num_prompt_tokens(self) -> int:

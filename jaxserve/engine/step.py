@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import sampler as sampler_mod
-from jaxserve.models import lora as lora_mod
 from jaxserve.models import transformer as tf
 
 
@@ -80,8 +79,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     if cfg.is_moe:  # padding tokens (the dummy sequence) are not routed to experts of their own
         batch["moe_valid"] = inp["token_seq"] < inp["rows"].shape[0]
-    if lora_adapters:  # multi-LoRA: each token's adapter slot (models/lora.py)
-        batch["lora_onehot"] = lora_mod.onehot(inp["lora"], lora_adapters)
+    if lora_adapters:  # multi-LoRA: each token's adapter scales [T, N] (models/lora.py)
+        batch["lora_onehot"] = inp["lora"]
     hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,
                                        scan_layers=scan_layers, attention=attention, add_norm=add_norm,
                                        rope_kv=rope_kv, qmm=qmm, moe_impl=moe_impl)
@@ -131,7 +130,7 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
     S = inp["token_ids"].shape[0]
     token_seq = jnp.arange(S, dtype=jnp.int32)
     # multi-LoRA: each row's adapter, the same for every step of the loop
-    adapters = {"lora_onehot": lora_mod.onehot(inp["lora"], lora_adapters)} if lora_adapters else {}
+    adapters = {"lora_onehot": inp["lora"]} if lora_adapters else {}
 
     def one(i, carry):
         state, tokens, positions, outs = carry

@@ -40,7 +40,7 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     params = chat_params(state, req, spec)
     ids, mm = await chat_prompt(state, req.messages, req.add_generation_prompt, funcs, req.chat_template_kwargs)
     gen = Generation(state, [Prompt(ids, mm=mm)], params, new_id("chatcmpl"), prompt_param="messages",
-                     lora=state.lora_of(req.model))
+                     lora=state.lora_for(req))
     gen.submit()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

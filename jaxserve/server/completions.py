@@ -46,7 +46,7 @@ async def completions(request: web.Request, state, body) -> web.StreamResponse:
         ("structured_outputs", structured.from_structured_outputs(req.structured_outputs))))
     params, discard = completion_params(state, req, spec)
     prompts = [Prompt(ids, text) for ids, text in completion_prompts(state, req.prompt)]
-    gen = Generation(state, prompts, params, new_id("cmpl"), discard_output=discard, lora=state.lora_of(req.model))
+    gen = Generation(state, prompts, params, new_id("cmpl"), discard_output=discard, lora=state.lora_for(req))
     want_lp = req.logprobs is not None
     echo = bool(req.echo)
     if discard and not want_lp:

@@ -1,16 +1,18 @@
-"""Loading and unloading LoRA adapters while serving (vLLM's /v1/load_lora_adapter and
-/v1/unload_lora_adapter). Off unless the server was started with --enable-lora-loading: a load reads
-any directory the server process can read. Adapters go into free adapter slots (--max-loras); a
-loaded adapter is a model name for every generation endpoint and is listed by /v1/models."""
+"""LoRA adapters while serving. vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: off unless the
+server was started with --enable-lora-loading (a load reads any directory the server process can
+read); adapters go into free adapter slots (--max-loras); a loaded adapter is a model name for every
+generation endpoint and is listed by /v1/models. llama.cpp's GET/POST /lora-adapters: the loaded
+adapters by id (slot - 1) and the scales that requests naming no adapter run with (none by default)."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from aiohttp import web
 
 from jaxserve.server.errors import APIError, bad_request
-from jaxserve.server.protocol import _Req, parse_request
+from jaxserve.server.protocol import LoraScale, _Req, parse_request
 
 
 class LoadLoRAAdapterRequest(_Req):
@@ -67,4 +69,25 @@ async def unload_lora_adapter(request: web.Request, state, body) -> web.Response
     except LoraSlotError as e:  # unloaded meanwhile by another request
         raise APIError(404, str(e), "lora_name", "not_found") from None
     state.adapters = dict(eng.lora_paths)
+    state.lora_scales = {n: s for n, s in state.lora_scales.items() if n != req.lora_name}
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def list_lora_adapters(state) -> web.Response:
+    """llama.cpp's GET /lora-adapters: [{"id", "path", "scale"}] of the loaded adapters."""
+    ids = state.lora_ids()
+    return web.json_response([{"id": i, "path": state.adapters.get(n, ""), "scale": state.lora_scales.get(n, 0.0)}
+                              for i, n in sorted(ids.items())])
+
+
+async def set_lora_adapters(request: web.Request, state, body) -> web.Response:
+    """llama.cpp's POST /lora-adapters [{"id", "scale"}]: the mixture requests naming no adapter run with
+    (adapters left out: scale 0)."""
+    state.require_generative()
+    if not isinstance(body, list):
+        raise bad_request("the body must be a JSON list of {\"id\", \"scale\"} objects")
+    items = [parse_request(LoraScale, item) for item in body]
+    mix = state.lora_for(SimpleNamespace(lora=items, model=None))
+    state.engine.lora_slot(mix)  # the scales' checks (finite numbers)
+    state.lora_scales = {n: s for n, s in mix.items() if s != 0}
+    return web.json_response({"success": True})

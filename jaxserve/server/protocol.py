@@ -58,6 +58,11 @@ class ChatMessage(_Req):
     tool_call_id: str | None = None
 
 
+class LoraScale(_Req):
+    id: int
+    scale: float
+
+
 class _Sampling(_Req):
     """Fields shared by chat and completions (OpenAI's plus vLLM's sampling extensions)."""
 
@@ -84,6 +89,7 @@ class _Sampling(_Req):
     include_stop_str_in_output: bool | None = None
     structured_outputs: Any = None  # vLLM: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
     response_format: Any = None  # OpenAI (chat); vLLM accepts it on completions too
+    lora: list[LoraScale] | None = None  # llama.cpp: loaded LoRA adapters by id, mixed with these scales
     # accepted and ignored (see IGNORED_FIELDS)
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -16,7 +16,7 @@ from jaxserve.server.errors import bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
                                       parse_request)
 from jaxserve.server.images import chat_prompt
-from jaxserve.server.lora import load_lora_adapter, unload_lora_adapter
+from jaxserve.server.lora import list_lora_adapters, load_lora_adapter, set_lora_adapters, unload_lora_adapter
 from jaxserve.server.sampling import check_ids
 
 STATE = web.AppKey("jaxserve_state", object)
@@ -57,6 +57,12 @@ async def list_models(request: web.Request) -> web.Response:
     state.require_ready()
     cards = [_card(state, n) for n in state.served_names] + [_card(state, n) for n in state.adapters]
     return web.json_response(dump(ModelList(data=cards)))
+
+
+async def lora_adapters(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.require_ready()
+    return list_lora_adapters(state)
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -121,8 +127,10 @@ def add_routes(app: web.Application) -> None:
              "/tokenize": _json_endpoint(tokenize),
              "/detokenize": _json_endpoint(detokenize),
              "/load_lora_adapter": _json_endpoint(load_lora_adapter),
-             "/unload_lora_adapter": _json_endpoint(unload_lora_adapter)}
-    gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics}
+             "/unload_lora_adapter": _json_endpoint(unload_lora_adapter),
+             "/lora-adapters": _json_endpoint(set_lora_adapters)}
+    gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics,
+            "/lora-adapters": lora_adapters}
     for prefix in ("/v1", ""):
         for path, h in posts.items():
             app.router.add_post(prefix + path, h)

@@ -56,6 +56,7 @@ class ServerState:
         self.accepted_names |= {n for n in (model_arg, weights, engine.model.name) if n}
         self.accepted_names |= set(self.served_names)
         self.adapters = dict(getattr(engine, "lora_paths", {}))
+        self.lora_scales: dict[str, float] = {}  # POST /lora-adapters: what requests naming none run with
         self.defaults = self._sampling_defaults(engine.model.generation_defaults or {})
         if getattr(engine, "is_embedding", False):
             from jaxserve.server.embeddings import EmbedBatcher
@@ -99,6 +100,27 @@ class ServerState:
             return name
         raise APIError(404, f"The model `{name}` does not exist. Served: "
                        f"{', '.join(self.served_names + list(self.adapters))}", "model", "model_not_found")
+
+    def lora_for(self, req):
+        """The adapter(s) a generation request runs with: llama.cpp's `lora` [{id, scale}] (a mixture by
+        adapter id = slot - 1, see /lora-adapters), else an adapter named as its model, else the scales set
+        through POST /lora-adapters (none by default: the base model)."""
+        if req.lora is None:
+            return self.lora_of(req.model) or (dict(self.lora_scales) or None)
+        if self.lora_of(req.model):
+            raise APIError(400, "name the base model as `model` when `lora` picks the adapters", "lora")
+        names = self.lora_ids()
+        mix = {}
+        for i, item in enumerate(req.lora):
+            if item.id not in names:
+                raise APIError(400, f"lora[{i}].id {item.id} is not a loaded LoRA adapter (loaded: "
+                               f"{', '.join(f'{k}={v}' for k, v in names.items()) or 'none'})", "lora")
+            mix[names[item.id]] = mix.get(names[item.id], 0.0) + item.scale
+        return mix
+
+    def lora_ids(self) -> dict[int, str]:
+        """llama.cpp's adapter ids: adapter slot - 1 -> name, for the adapters loaded now."""
+        return {s - 1: n for n, s in self.engine.lora.slot_of.items()} if hasattr(self.engine, "lora") else {}
 
     def lora_of(self, name: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (after check_model), or None for the base model."""
