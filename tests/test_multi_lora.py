@@ -439,3 +439,98 @@ def test_cli_adapter(files, refs, capsys, tmp_path):
     np.testing.assert_allclose(got, refs["x"].score(PROMPTS[3])[0].logprobs[1:], atol=2e-4)
     with pytest.raises(SystemExit, match="--adapter z: not a --lora-modules name \\(given: x, y\\)"):
         main(["generate", *eng, "--adapter", "z", "--prompt", "hi"])
+
+
+def test_server_engine_has_spare_slots(files, refs):
+    """The server's engine (parallel/launch.build_engine, what `jaxserve run --max-loras` builds) carries the
+    spare slots' stacks: an adapter loaded into one serves it; --max-loras with --tp is refused."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.parallel.launch import build_engine
+
+    eng = build_engine(str(files.base), engine_config=EngineConfig(max_loras=1, max_lora_rank=8, **KW))
+    eng.add_lora("y", str(files.y))
+    assert eng.model.weights is eng.runner.weights  # the replaced stacks are not kept alive twice
+    (seq,) = eng.add_request("r", PROMPTS[1], _greedy(6), lora_request="y")
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.output_token_ids == refs["y"].generate(PROMPTS[1], _greedy(6))[0].outputs[0].token_ids
+    with pytest.raises(ConfigError, match="one device"):
+        build_engine(str(files.base), engine_config=EngineConfig(max_loras=1, **KW), tp=2)
+
+
+def test_write_slot_per_layer_fusion():
+    """Per-layer weights fused in some layers only (a Q4_K_M file's Q6_K layers do not fuse): each layer's
+    slot is written in its own layout."""
+    from jaxserve.models import lora as lora_mod
+
+    L, D, N, R = 2, 4, 2, 3
+    rng = np.random.default_rng(0)
+    stacks = {t: {"a": rng.standard_normal((L, D, 1, 1, R)).astype(np.float32),
+                  "b": rng.standard_normal((L, 1, 1, R, D)).astype(np.float32)} for t in ("q", "k", "v")}
+    zeros = {t: {"a": np.zeros((D, 1, N, R), np.float32), "b": np.zeros((1, N, R, D), np.float32)}
+             for t in ("q", "k", "v")}
+    layers = [{"lora": lora_mod.fuse(jax.tree.map(jax.numpy.asarray, zeros), ("q", "k", "v"), "qkv", [D] * 3)},
+              {"lora": jax.tree.map(jax.numpy.asarray, zeros)}]
+    out = lora_mod.write_slot({"layers": layers}, 2, stacks, {"q": D, "k": D, "v": D})["layers"]
+    fused = lora_mod.fuse({t: {k: v[0] for k, v in ab.items()} for t, ab in stacks.items()}, ("q", "k", "v"),
+                          "qkv", [D] * 3)["qkv"]
+    np.testing.assert_array_equal(out[0]["lora"]["qkv"]["a"][:, :, 1], fused["a"][:, :, 0])
+    np.testing.assert_array_equal(out[0]["lora"]["qkv"]["b"][:, 1], fused["b"][:, 0])
+    for t in ("q", "k", "v"):
+        np.testing.assert_array_equal(out[1]["lora"][t]["a"][:, :, 1], stacks[t]["a"][1, :, :, 0])
+        np.testing.assert_array_equal(out[1]["lora"][t]["b"][:, 1], stacks[t]["b"][1, :, 0])
+        assert not np.asarray(out[1]["lora"][t]["a"][:, :, 0]).any()
+
+
+def test_server_lora_races_and_bad_files(spare, files, refs):
+    """A request for an adapter unloaded after the server checked it but before the engine thread added it
+    is a 400, not a 500; an adapter directory with a corrupt safetensors file is a 400."""
+    import threading
+
+    from jaxserve.server.routes import STATE
+
+    for name in list(spare.list_loras()):
+        spare.remove_lora(name)
+    bad = files.tmp / "corrupt"
+    bad.mkdir(exist_ok=True)
+    (bad / "adapter_config.json").write_text((files.y / "adapter_config.json").read_text())
+    (bad / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}!!")
+    body = {"prompt": PROMPTS[1], "temperature": 0, "max_tokens": 4, "model": "z"}
+
+    async def run():
+        async with _client(spare, model=str(files.base), enable_lora_loading=True) as client:
+            r = await client.post("/v1/load_lora_adapter", json={"lora_name": "w", "lora_path": str(bad)})
+            assert r.status == 400, await r.text()
+            assert (await client.post("/v1/load_lora_adapter",
+                                      json={"lora_name": "z", "lora_path": str(files.y)})).status == 200
+            aeng, gate = client.server.app[STATE].aengine, threading.Event()
+            held = asyncio.ensure_future(aeng.call(gate.wait))  # the engine thread busy (a long step)
+            unload = asyncio.ensure_future(client.post("/v1/unload_lora_adapter", json={"lora_name": "z"}))
+            await asyncio.sleep(0.2)  # the unload is queued for the engine thread
+            comp = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await asyncio.sleep(0.2)  # ... and the completion after it
+            gate.set()
+            await held
+            assert (await unload).status == 200
+            r = await comp
+            assert r.status == 400 and "no LoRA adapter named 'z'" in await r.text(), await r.text()
+            # unloaded while the request's grammar compiles: not the base model under the adapter's name
+            assert (await client.post("/v1/load_lora_adapter",
+                                      json={"lora_name": "z", "lora_path": str(files.y)})).status == 200
+            gc, compiled = spare.engine.grammar_compiler, threading.Event()
+            matcher = gc.matcher
+            gc.matcher = lambda *a: (gate.wait(), compiled.set(), matcher(*a))[-1]
+            gate.clear()
+            try:
+                comp = asyncio.ensure_future(client.post("/v1/completions", json=dict(
+                    body, response_format={"type": "json_object"})))
+                await asyncio.sleep(0.2)
+                assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "z"})).status == 200
+                gate.set()
+                r = await comp
+            finally:
+                gate.set()
+                del gc.matcher
+            assert compiled.is_set() and r.status == 400, await r.text()
+
+    asyncio.run(run())

@@ -258,6 +258,11 @@ class AsyncEngine:
                 try:
                     self._handle(cmd, out)
                 except Exception as e:  # never let one command stop the loop
+                    if cmd[0] == "add" and isinstance(e, SamplingParamsError):
+                        # the request's fault found after submit checked it (its adapter unloaded
+                        # meanwhile): a 400 for it, not a 500
+                        out.append((cmd[4], cmd[1], e))
+                        continue
                     log.exception("engine command %s failed", cmd[0])
                     if cmd[0] == "add":
                         out.append((cmd[4], cmd[1], RequestFailed(f"could not add request: {e}")))

@@ -49,6 +49,7 @@ class LoadedModel:
     lora_names: tuple[str, ...] = ()  # multi-LoRA: the adapters stacked in the weights (slot n = name n-1)
     lora_targets: tuple[str, ...] = ()  # the projections the stacks hold (loader/lora.SERVED_TARGETS names)
     lora_rank: int = 0  # the rank they are padded to
+    lora_slots: int = 0  # the adapter slots they hold
 
 
 def check_lora_layout(lora_modules, tp: int | None = 1, dp: int = 1, devices=None, num_nodes: int = 1) -> None:
@@ -238,7 +239,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     return LoadedModel(cfg=cfg, tokenizer=src.tokenizer, weights=weights, name=name,
                        generation_defaults=src.generation_defaults, mesh=mesh, rules=rules,
                        lora_names=tuple(n for n, _ in lora_modules), vision=vision,
-                       lora_targets=tuple(stacks) if slots else (),
+                       lora_targets=tuple(stacks) if slots else (), lora_slots=slots,
                        lora_rank=next(iter(stacks.values()))["a"].shape[-1] if slots and stacks else 0)
 
 
@@ -410,6 +411,9 @@ class LLMEngine:
             raise ValueError(f"the engine config's lora_modules {[n for n, _ in ecfg.lora_modules]} are not the "
                              f"adapters the loaded model carries {list(lm.lora_names)} (load_model(..., "
                              "lora_modules=...))")
+        if lm.lora_slots != ecfg.lora_slots:
+            raise ValueError(f"the engine config's {ecfg.lora_slots} LoRA adapter slots are not the "
+                             f"{lm.lora_slots} the loaded model's stacks hold (load_model(..., max_loras=...))")
         self.lora = LoraSlots(ecfg.lora_slots, ecfg.lora_modules)
         if ecfg.max_model_len > lm.cfg.max_position_embeddings and not lm.cfg.rope_scaling:
             log.warning("max_model_len %d exceeds the model's %d positions", ecfg.max_model_len,
@@ -591,6 +595,7 @@ class LLMEngine:
             stacks = self.prepare_lora(path)
         slot, evicted = self.lora.choose(self._lora_slots_in_use(), may_evict=True)
         self.runner.write_lora_slot(slot, stacks)
+        self.model.weights = self.runner.weights  # (else it keeps the replaced stacks alive)
         self.lora.add(name, str(path), slot, on_demand)
         log.info("LoRA adapter %s loaded from %s into slot %d%s", name, path, slot,
                  f" (evicting {evicted})" if evicted else "")

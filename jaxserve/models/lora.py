@@ -78,13 +78,13 @@ def write_slot(weights: dict, slot: int, stacks: dict, out_dims: dict) -> dict:
     the arrays it was given."""
     import jax
 
-    layers = weights["layers"]
-    held = (layers[0] if isinstance(layers, list) else layers)["lora"]
-    for new, parts in FUSED_PARTS.items():
-        if new in held:
-            stacks = fuse(stacks, parts, new, [out_dims[p] for p in parts])
-    if set(stacks) != set(held):
-        raise ValueError(f"adapter stacks {sorted(stacks)} do not match the model's {sorted(held)}")
+    def like(stacks: dict, held: dict) -> dict:  # per layer: a Q4_K_M file's Q6_K layers stay unfused
+        for new, parts in FUSED_PARTS.items():
+            if new in held:
+                stacks = fuse(stacks, parts, new, [out_dims[p] for p in parts])
+        if set(stacks) != set(held):
+            raise ValueError(f"adapter stacks {sorted(stacks)} do not match the model's {sorted(held)}")
+        return stacks
 
     def put(old, new, key: str):  # the slot axis: a [.., in, P, N, R], b [.., P, N, R, out]
         axis = old.ndim - (2 if key == "a" else 3)
@@ -94,12 +94,14 @@ def write_slot(weights: dict, slot: int, stacks: dict, out_dims: dict) -> dict:
         host[tuple(idx)] = np.take(np.asarray(new, np.float32), 0, axis=axis)
         return jax.device_put(host, old.sharding)
 
-    def edit(lora: dict, i: int | None) -> dict:
-        return {t: {k: put(lora[t][k], stacks[t][k] if i is None else stacks[t][k][i], k) for k in ("a", "b")}
-                for t in lora}
+    def edit(lora: dict, new: dict) -> dict:
+        new = like(new, lora)
+        return {t: {k: put(lora[t][k], new[t][k], k) for k in ("a", "b")} for t in lora}
 
+    layers = weights["layers"]
     if isinstance(layers, list):
-        layers = [dict(w, lora=edit(w["lora"], i)) for i, w in enumerate(layers)]
+        layers = [dict(w, lora=edit(w["lora"], jax.tree.map(lambda v: v[i], stacks)))
+                  for i, w in enumerate(layers)]
     else:
-        layers = dict(layers, lora=edit(layers["lora"], None))
+        layers = dict(layers, lora=edit(layers["lora"], stacks))
     return dict(weights, layers=layers)

@@ -86,10 +86,10 @@ def build_engine(model=None, *, engine_config: EngineConfig | None = None, tp: i
             raise ConfigError(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
         if ids is not None and len(list(ids)) != tp * dp:
             raise ConfigError(f"--d lists {len(list(ids))} devices but tp*dp = {tp * dp}")
-    check_lora_layout(ecfg.lora_modules, tp, dp, ids, num_nodes)
+    check_lora_layout(ecfg.lora_slots, tp, dp, ids, num_nodes)
     load_kw = dict(file=file, weights_file=weights_file, dtype=ecfg.dtype, yarn_scaling_factor=yarn_scaling_factor,
                    revision=revision, packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora,
-                   lora_modules=ecfg.lora_modules, max_lora_rank=ecfg.max_lora_rank)
+                   lora_modules=ecfg.lora_modules, max_lora_rank=ecfg.max_lora_rank, max_loras=ecfg.max_loras)
     if num_nodes > 1:
         import jax
 
@@ -121,7 +121,7 @@ def build_engine(model=None, *, engine_config: EngineConfig | None = None, tp: i
         from jaxserve.engine.dp_engine import DataParallelEngine
 
         return DataParallelEngine(model, dp=dp, tp=tp, devices=devs, engine_config=ecfg, attention=attention,
-                                  warmup=warmup, **{k: v for k, v in load_kw.items() if k not in ("dtype", "packed", "isq", "lora", "lora_modules", "max_lora_rank")})
+                                  warmup=warmup, **{k: v for k, v in load_kw.items() if k not in ("dtype", "packed", "isq", "lora", "lora_modules", "max_lora_rank", "max_loras")})
     from jaxserve.engine.runner import setup_compilation_cache
 
     setup_compilation_cache(ecfg.compile_cache_dir)

@@ -25,6 +25,7 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     state.require_generative()
     check_unsupported(req)
     model = state.check_model(req.model)
+    lora = state.lora_for(req)  # now: an unload during the awaits below must not mean the base model
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     funcs = tools.check_tools(req.tools, req.tool_choice)
@@ -40,7 +41,7 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
     params = chat_params(state, req, spec)
     ids, mm = await chat_prompt(state, req.messages, req.add_generation_prompt, funcs, req.chat_template_kwargs)
     gen = Generation(state, [Prompt(ids, mm=mm)], params, new_id("chatcmpl"), prompt_param="messages",
-                     lora=state.lora_for(req))
+                     lora=lora)
     gen.submit()
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -39,6 +39,7 @@ async def completions(request: web.Request, state, body) -> web.StreamResponse:
     state.require_generative()
     check_unsupported(req)
     model = state.check_model(req.model)
+    lora = state.lora_for(req)  # now: an unload during the awaits below must not mean the base model
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     spec = await structured.compiled(state, structured.pick(
@@ -46,7 +47,7 @@ async def completions(request: web.Request, state, body) -> web.StreamResponse:
         ("structured_outputs", structured.from_structured_outputs(req.structured_outputs))))
     params, discard = completion_params(state, req, spec)
     prompts = [Prompt(ids, text) for ids, text in completion_prompts(state, req.prompt)]
-    gen = Generation(state, prompts, params, new_id("cmpl"), discard_output=discard, lora=state.lora_for(req))
+    gen = Generation(state, prompts, params, new_id("cmpl"), discard_output=discard, lora=lora)
     want_lp = req.logprobs is not None
     echo = bool(req.echo)
     if discard and not want_lp:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from jaxserve.engine.async_engine import EngineStopped, QueueFull, RequestFailed
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import PromptTokensDetails, Usage
 
@@ -150,6 +150,8 @@ class Generation:
                         batch = [(rid, item)] + stream.drain_nowait()
                         updates = []
                         for r, it in batch:
+                            if isinstance(it, SamplingParamsError):  # (AsyncEngine: an adapter unloaded)
+                                raise bad_request(str(it), it.param) from None
                             if isinstance(it, RequestFailed):
                                 raise APIError(500, f"generation failed: {it}") from None
                             if isinstance(it, BaseException):

@@ -49,9 +49,15 @@ async def load_lora_adapter(request: web.Request, state, body) -> web.Response:
     eng = state.engine
     try:  # read off both the event loop and the engine thread; only the slot write runs on the latter
         stacks = await asyncio.get_running_loop().run_in_executor(None, eng.prepare_lora, req.lora_path)
+    except LoraSlotError as e:
+        raise bad_request(str(e), "lora_name") from None
+    except (ValueError, OSError) as e:  # LoraError, or a corrupt file (a bad safetensors header, ...)
+        raise bad_request(str(e) if isinstance(e, LoraError) else f"{req.lora_path}: {type(e).__name__}: {e}",
+                          "lora_path") from None
+    try:
         await state.aengine.call(lambda: eng.add_lora(name, req.lora_path, stacks))
-    except (LoraError, LoraSlotError, OSError) as e:
-        raise bad_request(str(e), "lora_path" if isinstance(e, (LoraError, OSError)) else "lora_name") from None
+    except LoraSlotError as e:
+        raise bad_request(str(e), "lora_name") from None
     state.adapters = dict(eng.lora_paths)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
