@@ -201,6 +201,9 @@ def test_refusals(tmp_path):
         LLM(str(d), task="pool")
     with pytest.raises(ValueError, match="pooling models"):
         LLM(str(d), task="generate", hf_overrides=QWEN3_RERANKER_OVERRIDES)
+    for kw in ({"max_loras": 2}, {"lora": [str(d)]}):  # adapters change generation only
+        with pytest.raises(ValueError, match="lora adapters apply to generative models only"):
+            LLM(str(d), task="embed", **kw)
     # task="embed" pools a causal LM (last token, normalized)
     emb = LLM(str(d), task="embed").embed(["hello", "hi"])
     assert emb.shape == (2, 64)

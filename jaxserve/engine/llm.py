@@ -82,7 +82,7 @@ class LLM:
         if is_embedding_model(model, revision, task, hf_overrides):  # embed / rerank / score / classify only
             if (tensor_parallel_size or 1) != 1 or data_parallel_size != 1 or num_nodes != 1:
                 raise ValueError("embedding models run on one device")
-            if engine_kwargs.get("lora") or engine_kwargs.get("lora_modules"):
+            if engine_kwargs.get("lora") or engine_kwargs.get("lora_modules") or engine_kwargs.get("max_loras"):
                 raise ValueError("lora adapters apply to generative models only")
             kw = {k: engine_kwargs[k] for k in ("dtype", "max_model_len") if k in engine_kwargs}
             self.engine = EmbeddingEngine(model, revision=revision, task=task, hf_overrides=hf_overrides, **kw)

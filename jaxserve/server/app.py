@@ -209,8 +209,8 @@ def _load_engine(args, ecfg):
 
     task, overrides = getattr(args, "task", "auto"), getattr(args, "hf_overrides", None)
     if is_embedding_model(args.model, getattr(args, "revision", None), task, overrides):
-        if ecfg.lora or ecfg.lora_modules:
-            raise ValueError("--lora and --lora-modules adapters apply to generative models only")
+        if ecfg.lora or ecfg.lora_modules or ecfg.max_loras:
+            raise ValueError("--lora, --lora-modules and --max-loras adapters apply to generative models only")
         return EmbeddingEngine(args.model, dtype=ecfg.dtype, revision=getattr(args, "revision", None),
                                max_model_len=getattr(args, "max_model_len", None), task=task,
                                hf_overrides=overrides)
