@@ -345,6 +345,9 @@ def test_loading_adapters_while_serving(spare, files, refs):
         _same(o.outputs[0], refs[lr].generate(p, _greedy(8))[0].outputs[0])
     with pytest.raises(SamplingParamsError, match="no LoRA adapter named 'z'"):
         llm.generate(prompt, _greedy(2), lora_request="z")
+    with pytest.raises(LoraSlotError, match="needs a name"):  # refused; nothing of the call stays queued
+        llm.generate(["abc", "def"], _greedy(2), lora_request=[None, LoRARequest("", 5, str(files.x))])
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
     # the name x now runs y's weights: its own blocks, not those cached for the first x
     llm.remove_lora("y")
     llm.add_lora(LoRARequest("x", 3, str(files.y)))

@@ -170,7 +170,7 @@ class LLM:
         if self.is_follower:
             raise RuntimeError("this process was a multi-host follower (node_rank > 0): only rank 0 generates")
 
-        from jaxserve.engine.lora_slots import LoraSlotError
+        from jaxserve.engine.lora_slots import LoraSlotsFull
 
         eng = self.engine
         order, seqs_of = [], {}
@@ -193,7 +193,7 @@ class LLM:
                     try:
                         seqs_of[rid] = eng.add_request(rid, p, sp, lora_request=lr)
                         break
-                    except LoraSlotError:  # more adapters than slots: run until a running one ends
+                    except LoraSlotsFull:  # more adapters than slots: run until a running one ends
                         if not eng.has_unfinished():
                             raise
                         step()

@@ -22,6 +22,10 @@ class LoraSlotError(ValueError):
     """An adapter name, path or slot request that cannot be served (one line saying why)."""
 
 
+class LoraSlotsFull(LoraSlotError):
+    """Every slot is taken or still in use: a later try may succeed once running requests end."""
+
+
 class LoraSlots:
     def __init__(self, num_slots: int, startup: tuple[tuple[str, str], ...] = ()):
         if len(startup) > num_slots:
@@ -67,7 +71,7 @@ class LoraSlots:
                 if self.slot_of[name] not in in_use:
                     return self.slot_of[name], name
         held = ", ".join(f"{n} (slot {s}{', running' if s in in_use else ''})" for n, s in self.slot_of.items())
-        raise LoraSlotError(f"all {self.num_slots} LoRA adapter slots are taken or still in use by running "
+        raise LoraSlotsFull(f"all {self.num_slots} LoRA adapter slots are taken or still in use by running "
                             f"requests ({held or 'unloaded adapters still running'}); unload one, or start with "
                             "a larger max_loras (--max-loras)")
 
