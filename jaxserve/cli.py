@@ -43,7 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-modules", action="append", nargs="+", type=_lora_module, default=None,
                    metavar="NAME=DIR",
                    help="serve PEFT LoRA adapters beside the base model (multi-LoRA, as vLLM's): requests pick "
-                        "one by its name as their model, /v1/models lists them (repeatable; one device)")
+                        "one by its name as their model, /v1/models lists them (repeatable; one device or --tp)")
     g.add_argument("--max-lora-rank", type=int, default=None,
                    help="rank the adapters are padded to (default: the --lora-modules' largest rank; 16 "
                         "with --max-loras slots to spare)")

@@ -230,8 +230,8 @@ def test_config_errors(files, capsys):
         LLM(str(files.base), lora_modules={"x": str(files.tmp / "missing")}, **KW)
     with pytest.raises(LoraError, match="rank 8, above max_lora_rank 4"):
         LLM(str(files.base), lora_modules={"y": str(files.y)}, max_lora_rank=4, **KW)
-    with pytest.raises(ConfigError, match="one device"):
-        LLM(str(files.base), lora_modules={"x": str(files.x)}, tensor_parallel_size=2, **KW)
+    with pytest.raises(ConfigError, match="data parallelism and multi-host are not supported"):
+        LLM(str(files.base), lora_modules={"x": str(files.x)}, data_parallel_size=2, **KW)
     other = add_byte_tokenizer(make_tiny_model("llama", files.tmp / "wide", hidden_size=96))
     with pytest.raises(LoraError, match="another base model"):
         LLM(str(other), lora_modules={"x": str(files.x)}, **KW)
@@ -446,7 +446,7 @@ def test_cli_adapter(files, refs, capsys, tmp_path):
 
 def test_server_engine_has_spare_slots(files, refs):
     """The server's engine (parallel/launch.build_engine, what `jaxserve run --max-loras` builds) carries the
-    spare slots' stacks: an adapter loaded into one serves it; --max-loras with --tp is refused."""
+    spare slots' stacks: an adapter loaded into one serves it; --max-loras with --dp is refused."""
     from jaxserve.config import EngineConfig
     from jaxserve.parallel.launch import build_engine
 
@@ -457,8 +457,8 @@ def test_server_engine_has_spare_slots(files, refs):
     while eng.has_unfinished():
         eng.step()
     assert seq.output_token_ids == refs["y"].generate(PROMPTS[1], _greedy(6))[0].outputs[0].token_ids
-    with pytest.raises(ConfigError, match="one device"):
-        build_engine(str(files.base), engine_config=EngineConfig(max_loras=1, **KW), tp=2)
+    with pytest.raises(ConfigError, match="data parallelism"):
+        build_engine(str(files.base), engine_config=EngineConfig(max_loras=1, **KW), dp=2)
 
 
 def test_write_slot_per_layer_fusion():
@@ -537,3 +537,30 @@ def test_server_lora_races_and_bad_files(spare, files, refs):
             assert compiled.is_set() and r.status == 400, await r.text()
 
     asyncio.run(run())
+
+
+def test_tensor_parallel(files, refs):
+    """tp=2 on a CPU mesh (a subprocess with 2 host devices, tests/lora_tp_worker.py): the adapter stacks
+    split as their base weights (column-parallel B by output, row-parallel A by input); start-up
+    adapters, a mixture and an adapter loaded into a spare slot give one device's merged references."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAXSERVE_NO_PROGRESS="1",
+               PYTHONPATH=str(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(here / "lora_tp_worker.py"), str(files.base), str(files.x),
+                        str(files.y), json.dumps(KW), PROMPTS[1]], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["devices"] == 2
+    spec = got["specs"]
+    assert spec["q.b"][-1] == "model" and set(spec["q.a"]) == {"None"}  # column-parallel: B by output
+    assert spec["o.a"][-4] == "model" and set(spec["o.b"]) == {"None"}  # row-parallel: A by input
+    for label, ref in (("x", "x"), ("y", "y"), ("base", None), ("xy", "xy")):
+        want = refs[ref].generate(PROMPTS[1], _greedy(8))[0].outputs[0]
+        assert got["out"][label][0] == want.token_ids, label
+        np.testing.assert_allclose(got["out"][label][1], [lp for lp, _ in want.logprobs], atol=1e-4)

@@ -53,13 +53,14 @@ class LoadedModel:
 
 
 def check_lora_layout(lora_modules, tp: int | None = 1, dp: int = 1, devices=None, num_nodes: int = 1) -> None:
-    """Multi-LoRA serving runs on one device (its adapter stacks are not sharded)."""
-    if lora_modules and (tp != 1 or dp != 1 or devices is not None or num_nodes != 1):
+    """Multi-LoRA serving runs on one device or tensor-parallel on one host (the adapter stacks are
+    sharded as their base weights); data-parallel replicas and multi-host would each need every load."""
+    if lora_modules and (dp != 1 or num_nodes != 1):
         from jaxserve.config import ConfigError
 
-        raise ConfigError("lora_modules (multi-LoRA serving) runs on one device: tensor or data parallelism, "
-                          "device lists and multi-host are not supported with it (--lora merges an adapter "
-                          "and works with all of them)")
+        raise ConfigError("lora_modules / max_loras (multi-LoRA serving) run on one device or tensor-parallel on "
+                          "one host: data parallelism and multi-host are not supported with them (--lora merges "
+                          "an adapter and works with all of them)")
 
 
 @dataclass
@@ -227,7 +228,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     if slots:
         from jaxserve.models.lora import attach
 
-        weights = attach(weights, stacks, jnp.dtype(dtype))
+        weights = attach(weights, stacks, jnp.dtype(dtype), mesh, rules, cfg)
     name = model or DEFAULT_MODEL
     vision = None
     if src.vision is not None and lm_head:
@@ -406,7 +407,7 @@ class LLMEngine:
         self.cfg, self.tokenizer = lm.cfg, lm.tokenizer
         # multi-LoRA: which adapter sits in which slot (1..N) of the weights' stacks
         if lm.mesh is not None:  # a model loaded elsewhere onto a mesh
-            check_lora_layout(ecfg.lora_slots, devices=lm.mesh.devices)
+            check_lora_layout(ecfg.lora_slots, dp=lm.mesh.devices.shape[0])
         if tuple(n for n, _ in ecfg.lora_modules) != lm.lora_names:
             raise ValueError(f"the engine config's lora_modules {[n for n, _ in ecfg.lora_modules]} are not the "
                              f"adapters the loaded model carries {list(lm.lora_names)} (load_model(..., "

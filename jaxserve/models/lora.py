@@ -18,16 +18,39 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def attach(weights: dict, stacks: dict, dtype) -> dict:
+def stack_axes(cfg, target: str) -> dict[str, tuple[str, ...]]:
+    """Logical axes of a target's stacked A [L, in, P, N, R] and B [L, P, N, R, out]: in and out are its
+    base weight's (models/weights.py), so under tensor parallelism A and B split as the weight does
+    (a column-parallel target's B by output, a row-parallel one's A by input; XLA adds the partial
+    x @ A products of the latter)."""
+    from jaxserve.models.weights import weight_specs
+
+    _, ax_in, ax_out = weight_specs(cfg)["layers." + target].axes
+    return {"a": ("layers", ax_in, "lora_part", "lora_slot", "lora_rank"),
+            "b": ("layers", "lora_part", "lora_slot", "lora_rank", ax_out)}
+
+
+def attach(weights: dict, stacks: dict, dtype, mesh=None, rules=None, cfg=None) -> dict:
     """weights with the `lora` subtree of loader/lora.stack_adapters' stacks (numpy [L, ...]) added to its
-    layers (stacked arrays, or sliced per layer for a per-layer list), in the compute dtype."""
+    layers (stacked arrays, or sliced per layer for a per-layer list), in the compute dtype; on a mesh
+    (cfg and rules given) each sharded as its base weight (stack_axes)."""
+    import jax
+
+    from jaxserve.parallel.mesh import named
+
     layers = weights["layers"]
-    put = lambda v: jnp.asarray(v, dtype)
+
+    def put(v, t, k, layer_axis: bool):
+        if mesh is None:
+            return jnp.asarray(v, dtype)
+        axes = stack_axes(cfg, t)[k][0 if layer_axis else 1:]
+        return jax.device_put(np.asarray(v, dtype), named(mesh, axes, rules))
+
     if isinstance(layers, list):
-        layers = [dict(w, lora={t: {k: put(v[i]) for k, v in ab.items()} for t, ab in stacks.items()})
+        layers = [dict(w, lora={t: {k: put(v[i], t, k, False) for k, v in ab.items()} for t, ab in stacks.items()})
                   for i, w in enumerate(layers)]
     else:
-        layers = dict(layers, lora={t: {k: put(v) for k, v in ab.items()} for t, ab in stacks.items()})
+        layers = dict(layers, lora={t: {k: put(v, t, k, True) for k, v in ab.items()} for t, ab in stacks.items()})
     return dict(weights, layers=layers)
 
 
