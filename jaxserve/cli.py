@@ -336,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put a thinking model's <think>...</think> text in the chat message's reasoning_content "
                         "(deepseek_r1: replies start inside the thinking, as DeepSeek-R1, QwQ and Qwen3 "
                         "*-Thinking-2507; qwen3: only when the reply opens with <think>)")
+    s.add_argument("--no-webui", action="store_true", help="do not serve the chat page at /")
     s.add_argument("--enable-lora-loading", action="store_true",
                    help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): load a PEFT adapter "
                         "directory the server can read into a free --max-loras slot while serving")

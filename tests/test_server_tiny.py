@@ -169,3 +169,30 @@ def test_sigterm_finishes_in_flight_then_exits(server, sock):
     assert not os.path.exists(sock)
     out = server.output()
     assert "shutting down" in out and "stopped" in out
+
+
+def test_webui_page_and_stream(sock):
+    """The chat page is served without the key; the request its script builds, streamed by this server
+    and split by its SSE parser (tests/test_webui.py) in 7- and 4096-character pieces, gives the same
+    text as the request answered whole."""
+    from test_webui import node, sse_content
+
+    status, page = req(sock, "GET", "/", key=None)
+    assert status == 200 and "<title>jaxserve chat</title>" in page
+    status, models = req(sock, "GET", "/v1/models")
+    model = models["data"][0]["id"]
+    body = json.loads(node(f"console.log(JSON.stringify(w.chatBody({json.dumps(model)}, "
+                           "[{role: 'user', content: 'Tell me about bicycles.'}], 'Be brief.', '0', '24')))"))
+
+    async def raw_stream():
+        async with _session(sock) as s:
+            async with s.post("http://localhost/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                return await r.text()
+
+    raw = asyncio.run(raw_stream())
+    status, whole = req(sock, "POST", "/v1/chat/completions",
+                        {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    text = whole["choices"][0]["message"]["content"]
+    assert status == 200 and text
+    assert sse_content(raw, 7) == text and sse_content(raw, 4096) == text

@@ -20,12 +20,13 @@ import time
 from aiohttp import web
 
 from jaxserve.server.errors import APIError
-from jaxserve.server.routes import STATE, add_routes
+from jaxserve.server.routes import STATE, add_routes, add_webui
 from jaxserve.server.state import ServerState
 
 log = logging.getLogger("jaxserve.server")
 
-_OPEN_PATHS = {"/health", "/v1/health", "/metrics", "/v1/metrics"}
+# no API key needed: probes, and the chat page itself (its API calls send the key)
+_OPEN_PATHS = {"/health", "/v1/health", "/metrics", "/v1/metrics", "/", "/webui/app.js"}
 
 
 def _env_float(name: str, default: float) -> float:
@@ -195,6 +196,8 @@ def build_app(state: ServerState) -> web.Application:
     if getattr(state.args, "api_key", None):
         app.middlewares.append(_auth_middleware(state.args.api_key))
     add_routes(app)
+    if not getattr(state.args, "no_webui", False):
+        add_webui(app)
     return app
 
 

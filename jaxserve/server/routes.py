@@ -6,6 +6,7 @@ Every route exists with and without the `/v1` prefix, as vLLM and llama.cpp serv
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from aiohttp import web
 
@@ -115,6 +116,24 @@ async def detokenize(request: web.Request, state, body) -> web.Response:
     state.check_model(req.model)
     check_ids(state, req.tokens, "tokens")
     return web.json_response({"prompt": state.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
+_WEBUI = Path(__file__).parent / "webui"
+
+
+def add_webui(app: web.Application) -> None:
+    """The chat page at / (webui/: one HTML file and its script, read once at start-up)."""
+    page = (_WEBUI / "index.html").read_bytes()
+    script = (_WEBUI / "app.js").read_bytes()
+
+    async def index(request: web.Request) -> web.Response:
+        return web.Response(body=page, content_type="text/html", charset="utf-8")
+
+    async def app_js(request: web.Request) -> web.Response:
+        return web.Response(body=script, content_type="application/javascript", charset="utf-8")
+
+    app.router.add_get("/", index)
+    app.router.add_get("/webui/app.js", app_js)
 
 
 def add_routes(app: web.Application) -> None:
