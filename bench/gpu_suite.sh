@@ -9,7 +9,7 @@
 #                                               tests-bgemv bgemv-mm bgemv-ab bgemv-q4k seq32
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
-#                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora
+#                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -99,6 +99,9 @@ for part in "$@"; do
             tp 300 --workloads 1x4096x256,1x32768x256,32x1024x128 --runs 3 --kv-dtype fp8 | tail -5 ;;
     # Multi-LoRA (not yet run on a GPU): 4 random adapters of rank 16 on every projection against none
     # (prompts cycle over the adapters and the base model; bs1 runs adapter a0)
+    # Speculative decoding by prompt lookup (session 18, not yet run on a GPU): the random model's greedy
+    # output loops, so most drafts are accepted; compare with the bf16 part's figures (no drafts)
+    spec) tp 250 --workloads 1x128x256,32x1024x128 --runs 3 --speculative 4 | tail -4 ;;
     lora) tp 280 --workloads 1x4096x256,32x1024x128 --runs 3 | tail -3
           tp 280 --workloads 1x4096x256,32x1024x128 --runs 3 --lora 4:16 | tail -3 ;;
     fused-ab) tp 300 --workloads 1x4096x256,32x1024x128 --runs 3 --fused-decode-attention on,off,on,off \

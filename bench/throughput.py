@@ -97,6 +97,9 @@ def main(argv=None):
                     "keyword options as in decode.py: pallas_triton:num_splits=16")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-dtype", default=None, help="the K/V cache dtype (EngineConfig.kv_dtype: fp8, ...)")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="speculative decoding by prompt lookup with K draft tokens (EngineConfig."
+                         "num_speculative_tokens); prints how many drafts the model accepted")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quant", default="none",
                     help="none (dense --dtype weights) or a packed format of random weights (q4k: LM head q6k)")
@@ -193,7 +196,8 @@ def main(argv=None):
                         token_buckets=(args.chunk,), seq_buckets=seq_buckets, dtype=args.dtype,
                         decode_steps=max(ks), enable_prefix_cache=False, num_blocks=1,
                         int8_activations=args.int8_activations, kv_dtype=args.kv_dtype,
-                        lora_modules=tuple((n, "random") for n in lm.lora_names))
+                        lora_modules=tuple((n, "random") for n in lm.lora_names),
+                        num_speculative_tokens=args.speculative)
     need_blocks = max_n * -(-max_len // ecfg.block_size) + 2
     ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
     print(f"# KV cache: {need_blocks} blocks, {need_blocks * kv_bytes_per_block(lm.cfg, ecfg) / 2**30:.1f} GiB",
@@ -287,6 +291,11 @@ def main(argv=None):
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
                    kv_dtype=args.kv_dtype, jax=jax.__version__, device=dev.device_kind)
+        if args.speculative:
+            st = eng.stats()
+            row.update(spec_draft_tokens=st.get("spec_draft_tokens"), spec_accepted_tokens=st.get("spec_accepted_tokens"))
+            print(f"# speculative (all runs so far): {row['spec_accepted_tokens']} of {row['spec_draft_tokens']} "
+                  "draft tokens accepted", flush=True)
         rows.append(row)
         print(f"{row['workload']}: prefill {row['prefill_tok_s']:.0f} tok/s ({pre * 1e3:.1f} ms)"
               + (f"; decode {row['decode_tok_s']:.0f} tok/s aggregate ({dec / (o - 1) * 1e3:.1f} ms/step)"

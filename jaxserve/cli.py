@@ -89,6 +89,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-cache-max-tokens", type=int, default=None)
     e.add_argument("--decode-steps", type=int, default=None,
                    help="decode steps per dispatch when no sequence needs the host")
+    e.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup; greedy requests)")
     e.add_argument("--scan-layers", choices=["auto", "on", "off"], default="auto")
     e.add_argument("--async-scheduling", choices=["on", "off"], default="on",
                    help="dispatch the next multi-step decode before reading the current one's tokens")
@@ -172,6 +175,10 @@ def engine_config_from_args(args):
         kw["kv_dtype"] = args.kv_cache_dtype
     if getattr(args, "dense_gemv", "auto") != "auto":
         kw["dense_gemv"] = args.dense_gemv == "on"
+    if getattr(args, "speculative_config", None) is not None:
+        from jaxserve.config import speculative_fields
+
+        kw.update(speculative_fields(args.speculative_config))
     return EngineConfig(**kw)
 
 

@@ -218,6 +218,28 @@ def _lora_modules(spec) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def speculative_fields(spec: dict | None) -> dict:
+    """vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
+    "prompt_lookup_min"}) as EngineConfig fields; other methods (draft models, EAGLE) are refused."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"speculative_config must be an object, got {type(spec).__name__}")
+    unknown = set(spec) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    if unknown:
+        raise ConfigError(f"speculative_config: unknown key(s) {sorted(unknown)} (only the ngram method is "
+                          "implemented: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
+    if spec.get("method", "ngram") != "ngram":
+        raise ConfigError(f"speculative_config: method {spec['method']!r} is not supported (ngram: prompt lookup)")
+    if "num_speculative_tokens" not in spec:
+        raise ConfigError("speculative_config needs num_speculative_tokens")
+    out = {k: spec[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in spec}
+    for k, v in out.items():
+        if type(v) is not int:
+            raise ConfigError(f"speculative_config: {k} must be an integer, got {v!r}")
+    return out
+
+
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -292,6 +314,12 @@ class EngineConfig:
     # partials to the RoPE/norm kernels and fuse the MLP activation into the down matmul. None: off.
     dense_gemv: bool | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
+    # Speculative decoding by prompt lookup (engine/speculative.py; vLLM's speculative_config
+    # {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}): greedy
+    # sequences propose up to this many tokens from an earlier occurrence of their last n-gram. 0: off.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     @property
     def lora_slots(self) -> int:
@@ -331,6 +359,14 @@ class EngineConfig:
             raise ConfigError("int8_activations needs packed weights (packed_weights is off)")
         if self.min_token_bucket < 1 or self.min_token_bucket & (self.min_token_bucket - 1):
             raise ConfigError(f"min_token_bucket must be a positive power of two, got {self.min_token_bucket}")
+        if not 0 <= self.num_speculative_tokens <= 15:
+            raise ConfigError(f"num_speculative_tokens must be in [0, 15], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                              f"and {self.prompt_lookup_max}")
+        if self.num_speculative_tokens and self.max_logprobs < 1:
+            raise ConfigError("speculative decoding reads the verifying argmax from the prompt log-prob outputs: "
+                              "max_logprobs must be >= 1")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -24,10 +24,13 @@ class ScheduledSeq:
     # input token is the last one the device sampled for the row; start counts the previous step's
     # tokens as computed.
     ahead: bool = False
+    # Speculative decoding (engine/speculative.py): proposed tokens fed after the newest known one (they
+    # are part of num_new); the step's argmax at each position verifies them.
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
-        return self.ahead or self.start + self.num_new == self.seq.num_tokens
+        return self.ahead or self.start + self.num_new - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -56,3 +59,5 @@ class StepResult:
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
     # prompt_logprobs[i] = list over the chunk's tokens (position start+1 ..) or None when not asked
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+    # verify[i] = the argmax token at each of the chunk's positions (speculative items only), else None
+    verify: list[list[int] | None] | None = None

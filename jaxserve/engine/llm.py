@@ -71,6 +71,9 @@ class LLM:
         steps until rank 0 exits, then returns an LLM with `is_follower` set and no engine.
         task: "auto", "generate", "embed" or "classify" (see embedder.pooling_task); hf_overrides:
         config.json fields replaced for a pooling model (models/decoder_pooling.OVERRIDE_KEYS)."""
+        from jaxserve.config import speculative_fields
+
+        engine_kwargs.update(speculative_fields(engine_kwargs.pop("speculative_config", None)))
         unknown = set(engine_kwargs) - _ENGINE_KEYS
         if unknown:
             raise TypeError(f"LLM: unknown option(s) {sorted(unknown)}; known: {sorted(_ENGINE_KEYS)}")

@@ -732,4 +732,6 @@ class LLMEngine:
             "prefix_cache_query_tokens": bm.prefix_queries_tokens,
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
+            "spec_draft_tokens": self.scheduler.spec_proposed,
+            "spec_accepted_tokens": self.scheduler.spec_accepted,
         }

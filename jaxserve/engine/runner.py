@@ -478,6 +478,9 @@ class ModelRunner:
             count_output=np.zeros(T, bool), reset=np.zeros(S, bool),
             sample_idx=np.zeros(S, np.int32), sample_pos=np.zeros(S, np.int32))
         base["target_ids"] = np.zeros(T, np.int32)
+        if self.ecfg.num_speculative_tokens:  # rows whose greedy token verifies a draft (S items x k + 1)
+            base["verify_idx"] = np.zeros(S * (self.ecfg.num_speculative_tokens + 1), np.int32)
+            base["want_verify"] = np.bool_(False)
         base["want_plp"] = np.bool_(False)
         if self.vision is not None:  # image features in place of placeholder embeddings (multimodal only)
             base["mm_embeds"] = np.zeros((T, self.cfg.hidden_size), jnp.dtype(self.ecfg.dtype))
@@ -511,7 +514,7 @@ class ModelRunner:
         want_plp = any(s.seq.params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens
                        for s in items)
         Q = self.ecfg.attn_tile
-        if sched.decode_steps > 1 or (self._is_decode(sched) and not want_plp):
+        if sched.decode_steps > 1 or (self._is_decode(sched) and not want_plp and not any(s.draft for s in items)):
             key = ("decode", self._bucket(self.ecfg.seq_buckets, n))
         else:
             chunk_len = sum(-(-s.num_new // Q) * Q for s in items if s.num_new > 1)
@@ -566,7 +569,7 @@ class ModelRunner:
             offsets.append(t)
             if s.reset_row:
                 self.row_counted[seq.row] = 0
-            toks = seq.all_token_ids[s.start:s.start + s.num_new]
+            toks = seq.all_token_ids[s.start:s.start + s.num_new - len(s.draft)] + list(s.draft)
             pos = np.arange(s.start, s.start + s.num_new)
             sl = slice(t, t + s.num_new)
             inp["token_ids"][sl] = toks
@@ -584,6 +587,10 @@ class ModelRunner:
             inp["reset"][i] = s.reset_row
             inp["sample_idx"][i] = t + s.num_new - 1
             inp["sample_pos"][i] = s.start + s.num_new
+            if s.draft:  # its rows' greedy tokens verify the draft (step.py: "verify")
+                V = self.ecfg.num_speculative_tokens + 1
+                inp["verify_idx"][i * V:i * V + s.num_new] = np.arange(t, t + s.num_new)
+                inp["want_verify"] = np.bool_(True)
             if want_plp:
                 nxt = seq.all_token_ids[s.start + 1:s.start + s.num_new + 1]
                 inp["target_ids"][t:t + len(nxt)] = nxt
@@ -626,6 +633,8 @@ class ModelRunner:
         self.state, out = exe(self.consts, self.weights, self.state, inp)
         if not inp.get("want_plp", False):  # prompt log-prob outputs are zeros: never copy them
             out = {k: v for k, v in out.items() if not k.startswith("prompt_")}
+        if not inp.get("want_verify", False):
+            out.pop("verify", None)
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()
         for s in sched.scheduled:
@@ -636,7 +645,7 @@ class ModelRunner:
     def collect(self, p: _Pending) -> StepResult:
         out = jax.tree.map(np.asarray, p.out)
         K = p.sched.decode_steps
-        tokens, logprobs, prompt_lps = [], [], []
+        tokens, logprobs, prompt_lps, verify = [], [], [], []
         for i, s in enumerate(p.sched.scheduled):
             t = p.offsets[i]
             params = s.seq.params
@@ -658,7 +667,9 @@ class ModelRunner:
                                    for j in range(m)])
             else:
                 prompt_lps.append(None)
-        return StepResult(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_lps)
+            V = self.ecfg.num_speculative_tokens + 1
+            verify.append([int(x) for x in out["verify"][i * V:i * V + s.num_new]] if s.draft else None)
+        return StepResult(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_lps, verify=verify)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:
         return self.collect(self.dispatch(sched))

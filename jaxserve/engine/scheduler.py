@@ -20,6 +20,7 @@ from typing import Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput, StepResult
+from jaxserve.engine import speculative
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import FinishReason, Sequence, SeqStatus
 
@@ -35,6 +36,8 @@ class Scheduler:
         self._free_rows = list(range(engine_cfg.max_num_seqs))
         heapq.heapify(self._free_rows)
         self._finished_log: list[Sequence] = []
+        self.spec_proposed = 0  # speculative decoding: draft tokens fed, and how many the model agreed with
+        self.spec_accepted = 0
 
     # ---------------------------------------------------------------- queue management
 
@@ -164,6 +167,13 @@ class Scheduler:
         want = (min if self.waiting else max)(self._remaining(s) for s in seqs)
         return min(K, want - done, min(self._room(s) for s in seqs) - done)
 
+    def _draft(self, seq: Sequence) -> tuple[int, ...]:
+        """Speculative tokens for a decode of seq (engine/speculative.py), none past what it may generate."""
+        k = min(self.cfg.num_speculative_tokens, self._remaining(seq) - 1, self._room(seq) - 1)
+        if k <= 0 or not speculative.eligible(seq):
+            return ()
+        return tuple(speculative.propose(seq.all_token_ids, k, self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min))
+
     def _slots_for(self, seq: Sequence, steps: int) -> int:
         """Positions seq needs slots for in `steps` decode steps: none past its last token."""
         return min(steps, self._remaining(seq))
@@ -187,9 +197,9 @@ class Scheduler:
                 return n if cost(n) <= budget else 0
             return min(n, budget // Q * Q)
 
-        def put(seq: Sequence, n: int, reset_row: bool = False) -> None:
+        def put(seq: Sequence, n: int, reset_row: bool = False, draft: tuple = ()) -> None:
             nonlocal budget
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, reset_row))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, reset_row, draft=draft))
             scheduled.add(seq.seq_id)
             budget -= cost(n)
 
@@ -199,8 +209,13 @@ class Scheduler:
                 continue
             # a decode that cannot get a slot is the newest running seq: it yields to the rest
             if self._make_room(seq, 1, scheduled, out, yield_self=True):
-                self.bm.append_slots(seq, 1)
-                put(seq, 1)
+                draft = self._draft(seq)
+                # a draft rides along only where its slots are free and the others' decodes still fit
+                if draft and not (self.bm.can_append(seq, 1 + len(draft))
+                                  and cost(1 + len(draft)) <= budget - len(self.running)):
+                    draft = ()
+                self.bm.append_slots(seq, 1 + len(draft))
+                put(seq, 1 + len(draft), draft=draft)
 
         # 2. running sequences in the middle of a (chunked) prefill
         for seq in list(self.running):
@@ -278,6 +293,8 @@ class Scheduler:
             if (s.num_new != 1 or not s.samples or s.start != s.seq.num_computed_tokens
                     or s.seq.matcher is not None):
                 return None
+        if self.cfg.num_speculative_tokens and any(speculative.eligible(s.seq) for s in items):
+            return None  # a draft is looked up on the host after every dispatch (schedule())
         items = [s for s in items if self._remaining(s.seq) > K0]  # the rest end by length in prev
         if not items:
             return None
@@ -349,13 +366,15 @@ class Scheduler:
             plp = result.prompt_logprobs[i] if result.prompt_logprobs else None
             if plp:
                 self._add_prompt_logprobs(seq, ss.start, plp)
-            seq.num_computed_tokens += ss.num_new
+            seq.num_computed_tokens += ss.num_new - len(ss.draft)  # accepted drafts count below, as fed
             if samples:
                 toks = result.tokens[i]
                 if not toks:
                     raise RuntimeError(f"seq {seq.seq_id} was due a sampled token but got none")
+                if ss.draft:
+                    toks = self._verified(ss.draft, result.verify[i], toks[0])
                 lps = result.logprobs[i] if result.logprobs else None
-                for j, tok in enumerate(toks[:K]):
+                for j, tok in enumerate(toks if ss.draft else toks[:K]):
                     if j:
                         seq.num_computed_tokens += 1  # the previous sampled token was fed back
                     seq.output_token_ids.append(int(tok))
@@ -374,6 +393,16 @@ class Scheduler:
             if samples or seq.is_finished:
                 changed.append(seq)
         return changed
+
+    def _verified(self, draft: tuple[int, ...], argmax: list[int], bonus: int) -> list[int]:
+        """A draft's tokens the model agrees with (its greedy token at each position), then the model's own
+        token at the first disagreement, or the token sampled after the chunk when all agreed."""
+        n = 0
+        while n < len(draft) and argmax[n] == draft[n]:
+            n += 1
+        self.spec_proposed += len(draft)
+        self.spec_accepted += n
+        return list(draft[:n]) + [argmax[n] if n < len(draft) else bonus]
 
     @staticmethod
     def _add_prompt_logprobs(seq: Sequence, start: int, plp: list) -> None:

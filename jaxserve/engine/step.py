@@ -121,6 +121,12 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
     out["prompt_logprob"], out["prompt_top_ids"], out["prompt_top_logprobs"] = jax.lax.cond(
         inp["want_plp"], prompt_lp, none)
+    if "verify_idx" in inp:  # speculative decoding: the greedy token at each draft position (only those rows)
+        rows = inp["verify_idx"]
+        out["verify"] = jax.lax.cond(
+            inp["want_verify"],
+            lambda: jnp.argmax(tf.logits_from_hidden(cfg, weights, hidden[rows], qmm), axis=-1).astype(jnp.int32),
+            lambda: jnp.zeros(rows.shape, jnp.int32))
     return state, out
 
 

@@ -50,6 +50,10 @@ class _EngineCollector:
             "jaxserve_engine_steps": ("engine steps run", s.get("num_steps", 0)),
             "jaxserve_preemptions": ("sequences preempted (recomputed later)", s.get("num_preemptions", 0)),
             "jaxserve_engine_step_failures": ("engine steps that raised", s.get("steps_failed", 0)),
+            "jaxserve_spec_decode_draft_tokens": ("speculative tokens proposed (prompt lookup)",
+                                                  s.get("spec_draft_tokens", 0)),
+            "jaxserve_spec_decode_accepted_tokens": ("speculative tokens the model agreed with",
+                                                     s.get("spec_accepted_tokens", 0)),
         }
         for name, (doc, v) in counters.items():
             c = CounterMetricFamily(name, doc)

@@ -1,0 +1,48 @@
+"""Speculative decoding by prompt lookup (vLLM's "ngram" method; host side, no JAX).
+
+A greedy sequence whose last tokens (an n-gram, longest first from prompt_lookup_max down to
+prompt_lookup_min) occurred earlier in its prompt or output proposes the k tokens that followed that
+occurrence. The step then feeds [last token, draft...] as one chunk of a mixed step; the target model's
+greedy choice at every position of the chunk (the argmax of its logits) verifies the draft: the longest
+matching prefix is kept, plus the model's own token where the first mismatch is (or, when every draft
+token matched, the token sampled after the chunk). So each step still yields the model's greedy tokens,
+1 to k + 1 of them, for one forward pass over k + 1 positions: a win where text repeats its context
+(quoting, editing, code, extraction), nothing proposed (a plain decode) where it does not.
+
+Only plain greedy sequences speculate: sampling, penalties, logit bias, a pending min_tokens, logprobs
+and grammars change which token the sampler picks or need it token by token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to k tokens that followed an earlier occurrence of the longest suffix n-gram of `tokens` (n from
+    n_max down to n_min): the most recent occurrence followed by k tokens, else the earliest (the
+    longest continuation; in a run like "a a a a" the latest one is followed by a single token); []
+    when none occurred."""
+    L = len(tokens)
+    if k <= 0 or L < n_min + 1:
+        return []
+    arr = np.asarray(tokens, np.int64)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = arr[L - n:]
+        # windows starting at 0 .. L-n-1 (the suffix itself excluded), each followed by >= 1 token
+        win = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)
+        hits = np.flatnonzero((win == suffix).all(axis=1))
+        if hits.size:
+            full = hits[hits + n + k <= L]
+            i = int(full[-1] if full.size else hits[0]) + n
+            return [int(t) for t in arr[i:i + k]]
+    return []
+
+
+def eligible(seq) -> bool:
+    """Whether the sampler's choice for seq is the plain argmax of the logits (and nothing needs its
+    tokens one at a time)."""
+    p = seq.params
+    return (p.temperature == 0 and not p.presence_penalty and not p.frequency_penalty
+            and p.repetition_penalty == 1.0 and not p.logit_bias and p.logprobs is None
+            and seq.matcher is None and len(seq.output_token_ids) >= p.min_tokens)

@@ -1,0 +1,79 @@
+"""Speculative decoding by prompt lookup (engine/speculative.py): the proposer and the verification on
+their own, then the real SmolLM2 through the engine — with drafts, greedy requests give exactly the
+tokens they give without (drafts accepted where the text repeats), requests that cannot speculate
+(sampling, penalties, stop strings cutting the text) are unchanged, and nothing compiles while serving."""
+
+import jax
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import ConfigError, EngineConfig, speculative_fields
+from jaxserve.engine.speculative import eligible, propose
+from jaxserve.engine.sequence import Sequence
+from model_files import smollm2_gguf
+
+_compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **k: _compiles.append(name) if "backend_compile" in name else None)
+
+
+def test_propose():
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 4, 4, 2) == [4, 5, 1, 2]  # the longest suffix n-gram first
+    assert propose([1, 2, 7, 1, 2, 8, 9, 9, 9, 1, 2], 2, 4, 2) == [8, 9]  # the most recent occurrence
+    assert propose([6, 6, 6, 6, 6, 6], 4, 4, 2) == [6, 6]  # none followed by k tokens: the longest run
+    assert propose([1, 2, 3, 4, 5, 6, 7], 4, 4, 2) == []
+    assert propose([5, 1, 9, 1], 3, 4, 2) == [] and propose([5, 1, 9, 1], 3, 4, 1) == [9, 1]  # n_min
+    assert propose([1, 2, 1, 2], 0, 4, 2) == []
+
+
+def test_eligible_and_config():
+    seq = lambda **kw: Sequence(request_id="r", prompt_token_ids=[1, 2], params=SamplingParams(**kw))
+    assert eligible(seq(temperature=0))
+    for kw in ({"temperature": 0.7}, {"temperature": 0, "repetition_penalty": 1.1},
+               {"temperature": 0, "logit_bias": {3: 1.0}}, {"temperature": 0, "logprobs": 2},
+               {"temperature": 0, "min_tokens": 3}, {"temperature": 0, "presence_penalty": 0.5}):
+        assert not eligible(seq(**kw)), kw
+    assert speculative_fields({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}) == \
+        {"num_speculative_tokens": 3, "prompt_lookup_max": 5}
+    for bad, match in (({"method": "eagle", "num_speculative_tokens": 3}, "not supported"),
+                       ({"method": "ngram"}, "needs num_speculative_tokens"),
+                       ({"num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+                       ({"num_speculative_tokens": "2"}, "integer")):
+        with pytest.raises(ConfigError, match=match):
+            speculative_fields(bad)
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        EngineConfig(num_speculative_tokens=2, prompt_lookup_min=5, prompt_lookup_max=4)
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens=16)
+
+
+KW = dict(max_model_len=512, max_num_seqs=4, prefill_chunk_size=64, seq_buckets=(4,), token_buckets=(64,))
+COUNT = "one two three four five six seven eight nine ten, one two three four five six seven eight nine ten, one"
+QUOTE = "Copy this line: the quick brown fox jumps over the lazy dog. Again: the quick brown"
+
+
+def _run(llm):
+    reqs = [(COUNT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
+            (QUOTE, SamplingParams(temperature=0, max_tokens=24, stop=["dog"])),
+            (COUNT, SamplingParams(temperature=0.8, seed=7, max_tokens=16)),
+            (QUOTE, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3))]
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def test_same_tokens_with_and_without_drafts():
+    plain = LLM(str(smollm2_gguf()), **KW)
+    spec = LLM(str(smollm2_gguf()), speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **KW)
+    want = _run(plain)
+    n = len(_compiles)
+    got = _run(spec)
+    assert len(_compiles) == n, "compiled while serving"
+    assert got == want
+    assert len(want[0][0]) == 40 and want[1][2] == "stop"  # the counting run went the distance
+    st = spec.engine.stats()
+    assert st["spec_accepted_tokens"] >= 20, st  # the counting run repeats its prompt
+    assert st["spec_draft_tokens"] >= st["spec_accepted_tokens"]
+    # the speculated run took fewer steps than tokens: several tokens per forward pass
+    one = spec.generate(COUNT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    steps = spec.engine.stats()["num_steps"] - st["num_steps"]
+    assert one.outputs[0].token_ids == want[0][0] and steps < 20, steps
