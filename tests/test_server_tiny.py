@@ -145,32 +145,6 @@ def test_prompt_that_can_never_fit(sock):
     assert "208" in err["error"]["message"]  # the cache's size in tokens is in the message
 
 
-def test_sigterm_finishes_in_flight_then_exits(server, sock):
-    async def go():
-        async with _session(sock) as s:
-            async with s.post("http://localhost/v1/completions",
-                              json={"prompt": "Count: 1, 2, 3,", "max_tokens": 30, "temperature": 0,
-                                    "ignore_eos": True, "stream": True}) as r:
-                assert r.status == 200
-                lines = []
-                async for line in r.content:
-                    if line.strip():
-                        lines.append(line.decode().strip())
-                        if len(lines) == 2:
-                            server.proc.terminate()  # SIGTERM while the stream is running
-                return lines
-
-    lines = asyncio.run(go())
-    assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
-    fin = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert fin == ["length"]  # it was finished, not cut off
-    assert server.proc.wait(60) == 0
-    assert not os.path.exists(sock)
-    out = server.output()
-    assert "shutting down" in out and "stopped" in out
-
-
 def test_webui_page_and_stream(sock):
     """The chat page is served without the key; the request its script builds, streamed by this server
     and split by its SSE parser (tests/test_webui.py) in 7- and 4096-character pieces, gives the same
@@ -196,3 +170,30 @@ def test_webui_page_and_stream(sock):
     text = whole["choices"][0]["message"]["content"]
     assert status == 200 and text
     assert sse_content(raw, 7) == text and sse_content(raw, 4096) == text
+
+
+def test_sigterm_finishes_in_flight_then_exits(server, sock):
+    async def go():
+        async with _session(sock) as s:
+            async with s.post("http://localhost/v1/completions",
+                              json={"prompt": "Count: 1, 2, 3,", "max_tokens": 30, "temperature": 0,
+                                    "ignore_eos": True, "stream": True}) as r:
+                assert r.status == 200
+                lines = []
+                async for line in r.content:
+                    if line.strip():
+                        lines.append(line.decode().strip())
+                        if len(lines) == 2:
+                            server.proc.terminate()  # SIGTERM while the stream is running
+                return lines
+
+    lines = asyncio.run(go())
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    fin = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert fin == ["length"]  # it was finished, not cut off
+    assert server.proc.wait(60) == 0
+    assert not os.path.exists(sock)
+    out = server.output()
+    assert "shutting down" in out and "stopped" in out
+
