@@ -364,9 +364,6 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
                               f"and {self.prompt_lookup_max}")
-        if self.num_speculative_tokens and self.max_logprobs < 1:
-            raise ConfigError("speculative decoding reads the verifying argmax from the prompt log-prob outputs: "
-                              "max_logprobs must be >= 1")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps must be >= 1, got {self.decode_steps}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -77,3 +77,9 @@ def test_same_tokens_with_and_without_drafts():
     one = spec.generate(COUNT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
     steps = spec.engine.stats()["num_steps"] - st["num_steps"]
     assert one.outputs[0].token_ids == want[0][0] and steps < 20, steps
+    from jaxserve.server.metrics import Metrics  # /metrics exports the two counters
+
+    st = spec.engine.stats()
+    text = Metrics(spec.engine.stats).render().decode()
+    for name, key in (("draft", "spec_draft_tokens"), ("accepted", "spec_accepted_tokens")):
+        assert f"jaxserve_spec_decode_{name}_tokens_total {float(st[key])}" in text

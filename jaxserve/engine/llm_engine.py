@@ -548,12 +548,16 @@ class LLMEngine:
             return slots[0] if slots else 0
         name = getattr(lora_request, "lora_name", lora_request)
         path = getattr(lora_request, "lora_path", None)
-        if name not in self.lora.slot_of and path and self.lora.num_slots > len(self.model.lora_names):
+        if self._loads_on_demand(name, path):
             return 0
         try:
             return self.lora.lookup(name, path)
         except LoraSlotError as e:
             raise SamplingParamsError(str(e), "model") from None
+
+    def _loads_on_demand(self, name, path) -> bool:
+        """A LoRARequest naming an adapter not loaded, with a path, on an engine with slots beyond lora_modules."""
+        return name not in self.lora.slot_of and bool(path) and self.lora.num_slots > len(self.model.lora_names)
 
     def _resolve_lora(self, lora_request) -> tuple[tuple, str]:
         """(((slot, scale), ...), prefix-cache key) of a request's adapter(s), loading a LoRARequest's
@@ -569,7 +573,7 @@ class LLMEngine:
             return tuple((self.lora.slot_of[n], s) for n, s in mix.items()), key
         name = getattr(lora_request, "lora_name", lora_request)
         path = getattr(lora_request, "lora_path", None)
-        if name not in self.lora.slot_of and path and self.lora.num_slots > len(self.model.lora_names):
+        if self._loads_on_demand(name, path):
             self.add_lora(name, path, on_demand=True)
         return ((self.lora_slot(lora_request), 1.0),), self.lora.keys[name]
 
@@ -588,10 +592,7 @@ class LLMEngine:
         """Load a PEFT LoRA adapter into a free adapter slot (or the least recently used on-demand one) under
         `name`; returns the slot. Nothing compiles: the slot's rows of the stacks are replaced. stacks: what
         prepare_lora(path) returned, when it ran elsewhere."""
-        if not name or not isinstance(name, str):
-            raise LoraSlotError("a LoRA adapter needs a name")
-        if name in self.lora.slot_of:
-            raise LoraSlotError(f"a LoRA adapter named {name!r} is already loaded (from {self.lora.paths[name]})")
+        self.lora.check_new(name)  # before a slot is written
         if stacks is None:
             stacks = self.prepare_lora(path)
         slot, evicted = self.lora.choose(self._lora_slots_in_use(), may_evict=True)

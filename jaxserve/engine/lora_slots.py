@@ -75,10 +75,16 @@ class LoraSlots:
                             f"requests ({held or 'unloaded adapters still running'}); unload one, or start with "
                             "a larger max_loras (--max-loras)")
 
-    def add(self, name: str, path: str, slot: int, on_demand: bool = False) -> None:
-        """Record `name` in `slot` (its previous adapter, if any, is dropped: see choose)."""
+    def check_new(self, name: str) -> None:
+        """A name a new adapter may take."""
+        if not name or not isinstance(name, str):
+            raise LoraSlotError("a LoRA adapter needs a name")
         if name in self.slot_of:
             raise LoraSlotError(f"a LoRA adapter named {name!r} is already loaded (from {self.paths[name]})")
+
+    def add(self, name: str, path: str, slot: int, on_demand: bool = False) -> None:
+        """Record `name` in `slot` (its previous adapter, if any, is dropped: see choose)."""
+        self.check_new(name)
         for old in [n for n, s in self.slot_of.items() if s == slot]:
             self.remove(old)
         self._put(name, path, slot, on_demand)

@@ -286,10 +286,10 @@ class ModelRunner:
     def write_lora_slot(self, slot: int, stacks: dict) -> None:
         """Put one adapter's stacks (loader/lora.stack_adapters, one slot) into adapter slot `slot` of the
         weights (models/lora.write_slot: no compile; steps dispatched before keep the old stacks)."""
-        from jaxserve.loader.lora import target_dims
+        from jaxserve.loader.lora import SERVED_TARGETS, target_dims
         from jaxserve.models import lora as lora_mod
 
-        dims = {t: target_dims(self.cfg, t)[1] for t in ("q", "k", "v", "o", "gate", "up", "down")}
+        dims = {t: target_dims(self.cfg, t)[1] for t in SERVED_TARGETS}
         self.weights = lora_mod.write_slot(self.weights, slot, stacks, dims)
 
     def program_keys(self) -> list[tuple]:

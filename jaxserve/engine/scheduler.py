@@ -169,8 +169,10 @@ class Scheduler:
 
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """Speculative tokens for a decode of seq (engine/speculative.py), none past what it may generate."""
+        if not self.cfg.num_speculative_tokens or not speculative.eligible(seq):
+            return ()
         k = min(self.cfg.num_speculative_tokens, self._remaining(seq) - 1, self._room(seq) - 1)
-        if k <= 0 or not speculative.eligible(seq):
+        if k <= 0:
             return ()
         return tuple(speculative.propose(seq.all_token_ids, k, self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min))
 

@@ -3,9 +3,9 @@
 The layers of the weights tree carry a `lora` subtree {target: {"a": [in, P, N, R], "b": [P, N, R, out]}}
 (a leading layer axis when stacked): N adapters zero-padded to rank R with their scale folded into B
 (loader/lora.stack_adapters builds it with P = 1; `fuse` joins the parts of a fused q/k/v or gate/up
-weight on the P axis). The step's batch carries `lora_onehot` [T, N]: each token's adapter, a zero row
-for the base model (adapter slot 0). A target's delta is ((x @ A) masked to the token's adapter) @ B:
-two dense matmuls over every adapter's rank columns at once. Measured on 2 CPU cores for 2-4 adapters
+weight on the P axis). The step's batch carries `lora_onehot` [T, N]: each token's adapter scales (one
+1 for a request naming an adapter, several for a mixture, a zero row for the base model). A target's
+delta is ((x @ A) scaled by the token's adapter scales) @ B: two dense matmuls over every adapter's rank columns at once. Measured on 2 CPU cores for 2-4 adapters
 of rank 8-16 (bench/lora_delta.py, bench/RESULTS.md): at 16 and 256 tokens 1.1-5.8x faster than a loop
 of masked products per adapter and 1.5-68x faster than gathering A[idx] / B[idx] per token (whose
 [T, in, R] copies cost more than the base matmul at 256 tokens); at one token close to the gather
@@ -88,10 +88,6 @@ def fuse(lora: dict, parts: tuple[str, ...], new: str, out_dims: list[int]) -> d
     return lora
 
 
-# fused projections the model may have joined (models/transformer.fuse_projections), and their parts
-FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
-
-
 def write_slot(weights: dict, slot: int, stacks: dict, out_dims: dict) -> dict:
     """weights with adapter slot `slot` (1-based) of every `lora` stack replaced by `stacks`
     (loader/lora.stack_adapters for one slot, numpy [L, ...], the targets the weights' stacks were built
@@ -101,8 +97,10 @@ def write_slot(weights: dict, slot: int, stacks: dict, out_dims: dict) -> dict:
     the arrays it was given."""
     import jax
 
+    from jaxserve.models.transformer import _FUSED  # (models/transformer imports this module)
+
     def like(stacks: dict, held: dict) -> dict:  # per layer: a Q4_K_M file's Q6_K layers stay unfused
-        for new, parts in FUSED_PARTS.items():
+        for new, parts in _FUSED.items():
             if new in held:
                 stacks = fuse(stacks, parts, new, [out_dims[p] for p in parts])
         if set(stacks) != set(held):
