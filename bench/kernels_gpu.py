@@ -141,7 +141,11 @@ def run_checks(quick, rows):
     cases += [(name + " fp8 cache", _fp8(c), kw) for name, c, kw in cases[:2]]
     for name, c, kw in cases:
         want = oracle(c, **kw)
-        for impl, fn in IMPLS.items():
+        impls = dict(IMPLS)
+        if c["k"].dtype.itemsize == 1:  # an fp8 cache also widened to f16 (FP8_WIDEN = "float16")
+            impls.update({f"{i} f16": functools.partial(IMPLS[i], fp8_widen="float16")
+                          for i in IMPLS if i.startswith("pallas")})
+        for impl, fn in impls.items():
             try:
                 err, finite = rel_err(call(fn, c, **kw), want, c["real"])
                 ok = finite and err < 2e-2
@@ -313,6 +317,44 @@ def run_timing(quick, rows, reps):
             rows.append(dict(kind="prefill", T=P, impl=f"dense {implname}", error=str(e)[:300]))
 
 
+def run_fp8_timing(quick, rows, reps):
+    """Decode (and a 2,048-token prefill) with a bf16 cache against an fp8 one widened to bf16 or to
+    f16 in the kernels (paged_attention.pallas_triton.FP8_WIDEN): does reading half the bytes pay?"""
+    print("\n== timing: bf16 vs fp8 caches (32 layer calls) ==", flush=True)
+    n_layers = 4 if quick else 32
+    H, KV, D, BS = (8, 2, 32, 8) if quick else (32, 8, 128, 16)
+    shapes = [(1, 64), (2, 200)] if quick else [(1, 4096), (1, 32768), (32, 1024), (32, 4096)]
+    variants = [("bf16 cache", None, None), ("fp8 widen bf16", "fp8", "bfloat16"),
+                ("fp8 widen f16", "fp8", "float16")]
+    key = jax.random.PRNGKey(7)
+    for bs, ctx in shapes + [("prefill", 128 if quick else 2048)]:
+        pre = bs == "prefill"
+        n = 1 if pre else bs
+        per_layer = n * ctx * KV * D * 2 * 2  # bf16 K/V bytes
+        L = int(min(n_layers, max(2, math.ceil(512e6 / per_layer))))
+        c0 = make_case(key, lens=[ctx] * n, new=[ctx if pre else 1] * n, H=H, KV=KV, D=D, BS=BS, L=L,
+                       layer=0)
+        for label, cache, widen in variants:
+            c = _fp8(c0) if cache else c0
+            kw = dict(scale=D ** -0.5, mode="prefill" if pre else "decode")
+            if widen:
+                kw["fp8_widen"] = widen
+            try:
+                t = bench(step_fn(pt.paged_attention, n_layers, L, kw),
+                          (c["q"], c["k"], c["v"], c["tables"], c["seq"], c["pos"]), reps)
+                us = t / n_layers * 1e6
+                what = f"prefill {ctx}" if pre else f"decode bs{bs} ctx {ctx}"
+                print(f"{what:26s} {label:16s} {us:9.1f} us/layer "
+                      f"{per_layer / (cache and 2 or 1) / (t / n_layers) / 1e9:8.0f} GB/s of cache", flush=True)
+                rows.append(dict(kind="prefill" if pre else "decode", bs=n, ctx=ctx, T=ctx,
+                                 impl=f"fp8 timing: {label}", us_per_layer=us,
+                                 gb_s=per_layer / (cache and 2 or 1) / (t / n_layers) / 1e9, tflops=0.0))
+            except Exception as e:
+                print(f"{bs} {ctx} {label}: ERROR {type(e).__name__}: {str(e)[:800]}", flush=True)
+            del c
+        del c0
+
+
 def summary(rows):
     print("\n## summary")
     print("| case | impl | rel err / us per layer | GB/s or TFLOP/s |")
@@ -333,7 +375,7 @@ def summary(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="all", choices=["all", "check", "time"])
+    ap.add_argument("--only", default="all", choices=["all", "check", "time", "fp8-time"])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -345,6 +387,8 @@ def main():
             run_checks(args.quick, rows)
         if args.only in ("all", "time"):
             run_timing(args.quick, rows, args.reps)
+        if args.only == "fp8-time":
+            run_fp8_timing(args.quick, rows, args.reps)
     except Exception:
         traceback.print_exc()
     summary(rows)
