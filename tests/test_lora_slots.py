@@ -12,7 +12,9 @@ def test_slots_keys_and_eviction(tmp_path):
     assert t.choose({2}) == (3, None)  # slot 2 is free but a request still runs with it
     t.add("b", "/b", 2, on_demand=True)
     t.add("c", "/c", 3, on_demand=True)
-    t.lookup("b")  # b is now the more recently used: c goes first
+    t.lookup("c")  # a check (the server validating a request) does not change the order: b goes first
+    assert t.choose(set()) == (2, "b")
+    t.lookup("b", touch=True)  # a request runs with b: now the more recently used, c goes first
     assert t.choose(set()) == (3, "c")
     assert t.choose({3}) == (2, "b")
     with pytest.raises(LoraSlotError, match="taken or still in use"):

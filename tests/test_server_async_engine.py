@@ -204,3 +204,41 @@ def test_queue_full_and_shutdown():
     assert dt < 10
     assert all(set(r[2].values()) <= {"abort", "length"} and r[2] for r in res)
     assert any("abort" in r[2].values() for r in res)
+
+
+def test_a_call_posted_as_the_engine_stops_is_refused_not_lost():
+    """AsyncEngine.call racing the engine thread's last drain: the caller gets EngineStopped (it used to
+    wait for ever), and a call after the stop is refused at once."""
+    import threading
+
+    async def go():
+        fake = FakeEngine()
+        entered, gate = threading.Event(), threading.Event()
+        add = fake.add_request
+
+        def held_add(*a, **k):  # keeps the engine thread inside the commands it has drained
+            entered.set()
+            gate.wait(10)
+            return add(*a, **k)
+
+        fake.add_request = held_add
+        ae = AsyncEngine(fake)
+        ae.start()
+        st = ae.open_stream()
+        ae.submit(st, [("r", [1], SamplingParams(max_tokens=3))])
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+        call = asyncio.ensure_future(ae.call(lambda: 42))
+        await asyncio.sleep(0.01)  # posted behind the drained add
+        with ae._cv:  # the stop shutdown() sets, here without its grace period
+            ae._stop = True
+        gate.set()
+        with pytest.raises(EngineStopped):
+            await asyncio.wait_for(call, 10)
+        with pytest.raises(EngineStopped):
+            await ae.call(lambda: 1)
+        _, _, reasons = await asyncio.wait_for(collect(st), 10)
+        await asyncio.get_running_loop().run_in_executor(None, ae._thread.join, 10)
+        return reasons, ae._thread.is_alive()
+
+    reasons, alive = run(go())
+    assert reasons == {("r", 0): "abort"} and not alive

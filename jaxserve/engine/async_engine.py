@@ -213,7 +213,11 @@ class AsyncEngine:
         if not self._accepting or self._stop or self._thread is None:
             raise EngineStopped("the server is shutting down" if self._thread else "the engine is not running")
         fut = asyncio.get_running_loop().create_future()
-        self._post(("call", fn, fut))
+        with self._cv:  # _stop is set under this lock: a call posted before it is handled or failed
+            if self._stop:
+                raise EngineStopped("the server is shutting down")
+            self._inbox.append(("call", fn, fut))
+            self._cv.notify()
         return await fut
 
     def abort(self, request_id: str) -> None:
@@ -269,6 +273,7 @@ class AsyncEngine:
             if self._stop:
                 self._abort_all(out)
                 self._deliver(out)
+                self._refuse_left()
                 break
             batch = 0
             if self.engine.has_unfinished():
@@ -287,6 +292,24 @@ class AsyncEngine:
             self._publish(batch)
             self._deliver(out)
         log.debug("engine thread stopped")
+
+    def _refuse_left(self) -> None:
+        """Commands posted after the last drain, as the thread stops: their callers get EngineStopped (an
+        add: its stream ends with it) instead of waiting for ever."""
+        with self._cv:
+            cmds, self._inbox = self._inbox, []
+        err = EngineStopped("the server is shutting down")
+        out = []
+        for cmd in cmds:
+            if cmd[0] == "call":
+                fut = cmd[2]
+                try:
+                    self._loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(err))
+                except RuntimeError:  # loop closed
+                    pass
+            elif cmd[0] == "add":
+                out.append((cmd[4], cmd[1], err))
+        self._deliver(out)
 
     def _handle(self, cmd: tuple, out: list) -> None:
         kind = cmd[0]

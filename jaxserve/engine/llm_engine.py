@@ -531,12 +531,13 @@ class LLMEngine:
         """The loaded LoRA adapters: name -> directory."""
         return self.lora.paths
 
-    def lora_slot(self, lora_request) -> int:
+    def lora_slot(self, lora_request, touch: bool = False) -> int:
         """The adapter slot of a request's lora_request: a LoRARequest or the name of a loaded adapter
         (None: the base model, slot 0). Read-only: the server checks requests with it. A LoRARequest
         with a lora_path naming an adapter not loaded yet passes (0) when slots for loading exist:
         add_request loads it. A dict {adapter name: scale} mixes loaded adapters (llama.cpp's per-request
-        `lora`): every name is checked, the first one's slot returned."""
+        `lora`): every name is checked, the first one's slot returned. touch: the request is being added
+        (on-demand adapters it names become the most recently used; a check alone changes nothing)."""
         if lora_request is None:
             return 0
         if isinstance(lora_request, dict):
@@ -544,14 +545,14 @@ class LLMEngine:
                 if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
                     raise SamplingParamsError(f"the scale of LoRA adapter {n!r} must be a finite number, got "
                                               f"{scale!r}", "lora")
-            slots = [self.lora_slot(n) for n in lora_request]
+            slots = [self.lora_slot(n, touch) for n in lora_request]
             return slots[0] if slots else 0
         name = getattr(lora_request, "lora_name", lora_request)
         path = getattr(lora_request, "lora_path", None)
         if self._loads_on_demand(name, path):
             return 0
         try:
-            return self.lora.lookup(name, path)
+            return self.lora.lookup(name, path, touch=touch)
         except LoraSlotError as e:
             raise SamplingParamsError(str(e), "model") from None
 
@@ -565,7 +566,7 @@ class LLMEngine:
         if lora_request is None:
             return (), ""
         if isinstance(lora_request, dict):
-            self.lora_slot(lora_request)
+            self.lora_slot(lora_request, touch=True)
             mix = {n: float(s) for n, s in lora_request.items() if s != 0}
             key = "+".join(f"{self.lora.keys[n]}*{s!r}" for n, s in mix.items())
             if len(mix) == 1 and 1.0 in mix.values():  # = the adapter alone: the same cached blocks
@@ -575,7 +576,7 @@ class LLMEngine:
         path = getattr(lora_request, "lora_path", None)
         if self._loads_on_demand(name, path):
             self.add_lora(name, path, on_demand=True)
-        return ((self.lora_slot(lora_request), 1.0),), self.lora.keys[name]
+        return ((self.lora_slot(lora_request, touch=True), 1.0),), self.lora.keys[name]
 
     def prepare_lora(self, path: str) -> dict:
         """Read and check a PEFT adapter directory for a free slot: its stacks for one slot (numpy). Touches

@@ -47,15 +47,17 @@ class LoraSlots:
         if on_demand:
             self._on_demand = {**self._on_demand, name: next(self._uses)}
 
-    def lookup(self, name: str, path: str | None = None) -> int:
-        """The slot of a loaded adapter (a path, when given, must be the one it was loaded from)."""
+    def lookup(self, name: str, path: str | None = None, touch: bool = False) -> int:
+        """The slot of a loaded adapter (a path, when given, must be the one it was loaded from). touch: a
+        request will run with it (an on-demand adapter becomes the most recently used); a check alone
+        leaves the eviction order as it was."""
         slot = self.slot_of.get(name)
         if slot is None:
             raise LoraSlotError(f"no LoRA adapter named {name!r} is loaded (loaded: "
                                 f"{', '.join(self.paths) or 'none'})")
         if path and Path(path).expanduser().resolve() != Path(self.paths[name]).expanduser().resolve():
             raise LoraSlotError(f"the adapter {name!r} is loaded from {self.paths[name]}, not {path}")
-        if name in self._on_demand:
+        if touch and name in self._on_demand:
             self._on_demand = {**self._on_demand, name: next(self._uses)}
         return slot
 
