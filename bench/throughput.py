@@ -121,10 +121,6 @@ def main(argv=None):
     ap.add_argument("--fused-decode-attention", default=None,
                     help="comma list of on/off (on,off,on,off): a fresh engine per value, the engine's "
                          "fused_decode_attention option (RoPE + K/V write + decode attention in one kernel)")
-    ap.add_argument("--fp8-widen", default=None,
-                    help="comma list of bfloat16/float16 (float16,bfloat16,...): with --kv-dtype fp8, a fresh "
-                         "engine per value, the dtype the attention kernels widen the e4m3 cache to "
-                         "(paged_attention.pallas_triton.FP8_WIDEN, read when programs trace)")
     ap.add_argument("--moe-kernel-max-tile", type=int, default=None,
                     help="MoE models: tiles of up to this many rows through the in-place expert kernels "
                          "(models/moe.KERNEL_MAX_TILE, read when programs trace; 0 = XLA's path)")
@@ -225,21 +221,15 @@ def main(argv=None):
         engs = [(p, ss, bgv) for p, ss, _ in engs for bgv in args.byte_gemv.split(",")]
     fdas = args.fused_decode_attention.split(",") if args.fused_decode_attention else [None]
     engs = [(tp, *e, f) for tp in tps for e in engs for f in fdas]
-    widens = args.fp8_widen.split(",") if args.fp8_widen else [None]
-    engs = [(*e, w) for e in engs for w in widens]
     eng = tag = None
     cl = max(1, min(64, max_len - 17))  # the check's prompt length: 16 tokens must fit after it
     check_prompts = [[int(x) for x in np.random.default_rng(1234 + j).integers(256, lm.cfg.vocab_size, cl)]
                      for j in range(4)]
     check_tokens, tp_same = {}, {}  # tp -> greedy tokens of check_prompts; prompts equal to the first tp's
-    for (tpv, ps, ss, bgv, fda, wid), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks
-                                                              for m in modes for w in wls]:
-        if eng is None or tag != (tpv, ps, ss, bgv, fda, wid):
-            from jaxserve.kernels.paged_attention import pallas_triton as pa_triton
+    for (tpv, ps, ss, bgv, fda), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes
+                                                         for w in wls]:
+        if eng is None or tag != (tpv, ps, ss, bgv, fda):
             from jaxserve.kernels.quant_matmul import pallas_byte_gemv, pallas_dp4a
-
-            if wid is not None:
-                pa_triton.FP8_WIDEN = wid
 
             if ps is not None:
                 pallas_dp4a.PER_SM = int(ps)
@@ -251,7 +241,7 @@ def main(argv=None):
             if tag is not None and tag[0] != tpv:
                 lm = None  # the previous tp's weights go first
                 lm = build(tpv)
-            tag = (tpv, ps, ss, bgv, fda, wid)
+            tag = (tpv, ps, ss, bgv, fda)
             # The program store's key includes these module settings (program_store.kernel_settings):
             # a variant never loads a program traced under another one.
             e_cfg = ecfg if fda is None else ecfg.replace(fused_decode_attention=fda == "on")
@@ -263,7 +253,7 @@ def main(argv=None):
                 if args.tokens_digest:
                     digest = hashlib.sha256(repr(toks).encode()).hexdigest()[:16]
                     print(f"# greedy tokens (4 prompts x 16) digest: {digest} (tp={tpv} per_sm={ps} "
-                          f"split_sums={ss} byte_gemv={bgv} fused_decode_attention={fda} fp8_widen={wid})", flush=True)
+                          f"split_sums={ss} byte_gemv={bgv} fused_decode_attention={fda})", flush=True)
                 if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
                     check_tokens[tpv] = toks
                     tp_same[tpv] = sum(a == b for a, b in zip(toks, check_tokens[tps[0]]))
@@ -296,7 +286,7 @@ def main(argv=None):
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
                    + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else "")
                    + (f" byte_gemv={bgv}" if bgv else "") + (f" tp={tpv}" if len(tps) > 1 else "")
-                   + (f" fused_attn={fda}" if fda else "") + (f" fp8_widen={wid}" if wid else ""),
+                   + (f" fused_attn={fda}" if fda else ""),
                    tp=tpv, tp_tokens_equal=tp_same.get(tpv),
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,

@@ -269,3 +269,43 @@ def test_progress_bar_switch(monkeypatch):
     monkeypatch.delenv("JAXSERVE_NO_PROGRESS")
     monkeypatch.setattr(gguf_loader.sys.stderr, "isatty", lambda: True, raising=False)
     assert not gguf_loader._progress_disabled()
+
+
+def test_fast_reader_builds_the_same_fields(tmp_path):
+    """loader/gguf_reader.FastGGUFReader (long metadata arrays read with struct) against gguf's own
+    GGUFReader on a file with long and short arrays of strings (empty and multi-byte ones), of every
+    scalar type, scalars and a tensor: the same fields (parts, data, types, contents) and tensors."""
+    import gguf
+
+    from jaxserve.loader.gguf_reader import FastGGUFReader
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    toks = [f"tok{i}" for i in range(300)] + ["", "é ▁x", "<|im_end|>"]
+    w.add_token_list(toks)
+    w.add_token_scores([float(i) / 7 for i in range(len(toks))])
+    w.add_token_types([i % 6 for i in range(len(toks))])
+    w.add_array("test.short", ["a", "bc"])
+    w.add_array("test.ints", list(range(-50, 150)))
+    w.add_array("test.bools", [bool(i % 3) for i in range(100)])
+    w.add_array("test.empty", [])
+    w.add_uint32("test.u32", 7)
+    w.add_string("test.s", "hello")
+    w.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fast, base = FastGGUFReader(str(path)), gguf.GGUFReader(str(path))
+    assert list(fast.fields) == list(base.fields)
+    for k, fb in base.fields.items():
+        ff = fast.fields[k]
+        assert (ff.offset, ff.name, ff.data, ff.types) == (fb.offset, fb.name, fb.data, fb.types), k
+        assert len(ff.parts) == len(fb.parts), k
+        for a, b in zip(ff.parts, fb.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), k
+        assert ff.contents() == fb.contents(), k
+    assert fast.fields["tokenizer.ggml.tokens"].contents() == toks
+    assert fast.fields["tokenizer.ggml.tokens"].contents(301) == "é ▁x"
+    (tf,), (tb,) = fast.tensors, base.tensors
+    assert tf.name == tb.name and np.array_equal(tf.data, tb.data) and tf.data_offset == tb.data_offset

@@ -44,7 +44,7 @@ def _case(rng, lens, *, H, KV, D, dtype, BS=4, L=2, parts=0, cache_dtype=None):
 
 
 def _check(impl, args, *, tol, **kw):
-    want = reference.rope_decode_attention(*args, **{k: v for k, v in kw.items() if k != "fp8_widen"})
+    want = reference.rope_decode_attention(*args, **kw)
     fn = rope_attention.get(impl)
     if impl == "pallas_triton":  # small splits so that several split plans occur at these lengths
         fn = functools.partial(fn, num_splits=3, block_k=16)
@@ -52,7 +52,10 @@ def _check(impl, args, *, tol, **kw):
         *args[:4], jnp.array(args[4]), jnp.array(args[5]), *args[6:])
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+        # A written fp8 cache may differ by one e4m3 step (2^-3 relative): XLA's GPU fusion rounds the
+        # rotated k a hair differently next to a rounding boundary (5 of 22,528 values on an H100)
+        rt = 0.13 if g.dtype.itemsize == 1 else tol
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=rt, atol=tol)
 
 
 @pytest.mark.parametrize("impl", rope_attention.IMPLEMENTATIONS)
@@ -81,16 +84,6 @@ def test_fp8_cache(impl):
     rng = np.random.default_rng(11)
     args = _case(rng, [2, 18, 50], H=8, KV=2, D=32, dtype="bfloat16", cache_dtype="float8_e4m3fn")
     _check(impl, args, tol=3e-2, num_heads=8, num_kv_heads=2, head_dim=32, scale=32 ** -0.5)
-
-
-def test_fp8_cache_widened_to_f16():
-    """The fused kernel with an fp8 cache read as f16 (paged_attention.FP8_WIDEN = "float16")."""
-    if "pallas_triton" not in rope_attention.IMPLEMENTATIONS:
-        pytest.skip("no Pallas implementation here")
-    rng = np.random.default_rng(12)
-    args = _case(rng, [2, 18, 50], H=8, KV=2, D=32, dtype="bfloat16", cache_dtype="float8_e4m3fn")
-    _check("pallas_triton", args, tol=3e-2, num_heads=8, num_kv_heads=2, head_dim=32, scale=32 ** -0.5,
-           fp8_widen="float16")
 
 
 @pytest.mark.parametrize("impl", rope_attention.IMPLEMENTATIONS)

@@ -48,8 +48,9 @@ def shard_paths(path: str | os.PathLike) -> list[Path]:
 
 
 def open_gguf(path: str | os.PathLike) -> list:
-    """Open a GGUF file, or every shard of a split one in order, as memory-mapped `GGUFReader`s."""
-    from gguf import GGUFReader
+    """Open a GGUF file, or every shard of a split one in order, as memory-mapped `GGUFReader`s (the
+    subclass that reads the tokenizer's long arrays fast: loader/gguf_reader.py)."""
+    from jaxserve.loader.gguf_reader import FastGGUFReader as GGUFReader
 
     paths = shard_paths(path)
     if not paths[0].is_file():

@@ -45,27 +45,6 @@ NUM_SMS = 132  # H200 / H100 SXM; only used to pick the split count
 # size), warps, pipeline stages. split_min_tiles=1 measured on the H200 (Llama-8B bs1, context
 # 4096): 197.8 tok/s vs 192.7 with 4; 32k unchanged.
 DECODE_TUNING = MappingProxyType(dict(split_min_tiles=1, block_k=None, num_warps=4, num_stages=2))
-# The dtype an fp8 (e4m3) cache is widened to for the two dots: "bfloat16" (q's dtype) or "float16"
-# (Hopper converts e4m3 pairs to f16 pairs in one instruction; to bf16 it needs more; q and p are then
-# rounded to f16, q clipped to its range). Read when programs trace (bench/throughput.py --fp8-widen).
-FP8_WIDEN = "bfloat16"
-
-
-def compute_dtype(q_dtype, cache_dtype, widen=None):
-    """The dtype of both dots' operands: q's, or f16 for an fp8 cache when FP8_WIDEN says so."""
-    widen = widen or FP8_WIDEN
-    if jnp.dtype(cache_dtype).itemsize == 1 and widen == "float16":
-        return jnp.dtype(jnp.float16)
-    return jnp.dtype(q_dtype)
-
-
-def as_compute(x, cdt):
-    """q rounded to the dots' dtype (clipped to f16's finite range when that is it)."""
-    if x.dtype == cdt:
-        return x
-    if cdt == jnp.float16:
-        return jnp.clip(x.astype(jnp.float32), -65504.0, 65504.0).astype(cdt)
-    return x.astype(cdt)
 
 
 def _pow2(n: int) -> int:
@@ -143,7 +122,7 @@ def _online_update(carry, s, v):
 
 # ---------------------------------------------------------------------------------------------- decode
 def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k_ref, v_ref,
-                   o_ref, m_ref, l_ref, *, scale, softcap, G, Gp, D, Dp, BS, MB, N, P, min_tiles, cdt):
+                   o_ref, m_ref, l_ref, *, scale, softcap, G, Gp, D, Dp, BS, MB, N, P, min_tiles):
     t, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     window = window_ref[0]
@@ -156,7 +135,6 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
         q = q_ref[t, hq, dsl]
     else:
         q = jnp.where(dmask[None, :], q_ref[t, hq[:, None], dsl[None, :]], 0)
-    q = as_compute(q, cdt)
 
     lo, hi, j0, j1, p_eff = _split_plan(pos, window, N=N, P=P, min_tiles=min_tiles)
     per = (j1 - j0 + p_eff - 1) // p_eff
@@ -165,7 +143,7 @@ def _decode_kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, q_ref, k
 
     def body(j, carry):
         kp, k, v = _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB, dsl=dsl,
-                                 dtype=cdt)
+                                 dtype=q_ref.dtype)
         s = _scores(q, k, scale, softcap)
         ok = (kp >= lo) & (kp < hi)
         s = jnp.where(ok[None, :], s, -jnp.inf)
@@ -233,8 +211,7 @@ def _split_plan(pos, window, *, N, P, min_tiles):
 
 
 def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions, window, *, scale,
-                 softcap, num_splits, block_k, num_warps, num_stages, interpret, min_tiles=4,
-                 fp8_widen=None):
+                 softcap, num_splits, block_k, num_warps, num_stages, interpret, min_tiles=4):
     T, H, D = q.shape
     L, NB, BS, KV, _ = k_cache.shape
     S, MB = block_tables.shape
@@ -245,8 +222,7 @@ def _decode_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
     P = decode_splits(num_splits, T=T, KV=KV, max_keys=MB * BS, N=N)
 
     kernel = functools.partial(_decode_kernel, scale=float(scale), softcap=softcap, G=G, Gp=Gp, D=D,
-                               Dp=Dp, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles,
-                               cdt=compute_dtype(q.dtype, k_cache.dtype, fp8_widen))
+                               Dp=Dp, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles)
     full = pl.BlockSpec()
     cp = None if interpret else _compiler_params(num_warps, num_stages)
     # Partials [T, KV, P, Gp, Dp] / [T, KV, P, Gp] f32; only the real heads' rows of used splits are
@@ -289,7 +265,7 @@ def merge_splits(o, m, l, window, positions, *, num_heads, N, min_tiles, dtype, 
 
 # --------------------------------------------------------------------------------------------- prefill
 def _prefill_kernel(layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_ref, q_ref, k_ref,
-                    v_ref, o_ref, *, scale, softcap, G, Gp, D, Dp, BS, MB, N, BQ, T, cdt):
+                    v_ref, o_ref, *, scale, softcap, G, Gp, D, Dp, BS, MB, N, BQ, T):
     i, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     window = window_ref[0]
@@ -309,7 +285,6 @@ def _prefill_kernel(layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_r
         q = q_ref[tc, hq, dsl]
     else:
         q = jnp.where(dmask[None, :], q_ref[tc[:, None], hq[:, None], dsl[None, :]], 0)
-    q = as_compute(q, cdt)
 
     qpos = jnp.where(valid, rpos, -1)
     hi = jnp.max(qpos) + 1  # 0 when the tile is empty
@@ -320,7 +295,7 @@ def _prefill_kernel(layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_r
 
     def body(j, carry):
         kp, k, v = _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB, dsl=dsl,
-                                 dtype=cdt)
+                                 dtype=q_ref.dtype)
         s = _scores(q, k, scale, softcap)
         ok = kp[None, :] <= qpos[:, None]
         ok &= (window <= 0) | (kp[None, :] > qpos[:, None] - window)
@@ -351,7 +326,7 @@ def tile_starts(token_seq, block_q: int, num_seq_rows: int):
 
 
 def _prefill_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions, window, *, scale,
-                  softcap, block_q, block_k, num_warps, num_stages, interpret, fp8_widen=None):
+                  softcap, block_q, block_k, num_warps, num_stages, interpret):
     T, H, D = q.shape
     L, NB, BS, KV, _ = k_cache.shape
     S, MB = block_tables.shape
@@ -368,8 +343,7 @@ def _prefill_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions
     NT = tiles.shape[0]
 
     kernel = functools.partial(_prefill_kernel, scale=float(scale), softcap=softcap, G=G, Gp=Gp, D=D,
-                               Dp=Dp, BS=BS, MB=MB, N=N, BQ=BQ, T=T,
-                               cdt=compute_dtype(q.dtype, k_cache.dtype, fp8_widen))
+                               Dp=Dp, BS=BS, MB=MB, N=N, BQ=BQ, T=T)
     full = pl.BlockSpec()
     out = pl.pallas_call(
         kernel,
@@ -388,13 +362,12 @@ def _prefill_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions
 def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positions, *, scale,
                     window=0, softcap=None, mode=None, interpret=None, num_splits=None,
                     block_q=None, block_k=None, num_warps=None, num_stages=None,
-                    split_min_tiles=None, fp8_widen=None):
+                    split_min_tiles=None):
     """q [T, H, hd] -> [T, H, hd]; see the module docstring. mode: None (auto), 'decode', 'prefill'.
 
     Tuning (static): num_splits (decode; default from the SM count), split_min_tiles (decode: fewest
     key tiles per split), block_q (prefill: tokens per tile; rows = block_q x padded group), block_k
-    (keys per tile), num_warps, num_stages (Triton), fp8_widen (an fp8 cache's dot dtype: None =
-    FP8_WIDEN). interpret: None = on CPU only.
+    (keys per tile), num_warps, num_stages (Triton). interpret: None = on CPU only.
     """
     if interpret is None:
         interpret = _on_cpu()
@@ -413,9 +386,9 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positio
         return _decode_call(*args, scale=scale, softcap=softcap, num_splits=num_splits,
                             block_k=block_k or d["block_k"], num_warps=num_warps or d["num_warps"],
                             num_stages=num_stages or d["num_stages"], interpret=interpret,
-                            min_tiles=split_min_tiles or d["split_min_tiles"], fp8_widen=fp8_widen)
+                            min_tiles=split_min_tiles or d["split_min_tiles"])
     if mode == "prefill":
         return _prefill_call(*args, scale=scale, softcap=softcap, block_q=block_q, block_k=block_k,
                              num_warps=num_warps or 4, num_stages=num_stages or 2,
-                             interpret=interpret, fp8_widen=fp8_widen)
+                             interpret=interpret)
     raise ValueError(f"unknown mode {mode!r}")

@@ -31,7 +31,7 @@ from jaxserve.kernels.split_sum import SplitSum
 
 def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_ref, fac_ref, qkv_ref,
             k_in, v_in, o_ref, m_ref, l_ref, k_ref, v_ref, *, scale, softcap, H, KV, G, Gp, D, BS, MB,
-            N, P, min_tiles, parts_dtype, cdt):
+            N, P, min_tiles, parts_dtype):
     t, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     window = window_ref[0]
@@ -80,12 +80,10 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_r
     k_new = to_cache(rope((H + h) * D).astype(dtype), k_ref.dtype)  # as the cache holds it
     v_new = to_cache(load((H + KV + h) * D + d), v_ref.dtype)
 
-    qc = pa.as_compute(q, cdt)  # the dots' operand (f16 for an fp8 cache under FP8_WIDEN)
-
     def body(j, carry):
         kp, k, v = pa._load_tile(k_in, v_in, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB,
-                                 dsl=pl.ds(0, D), dtype=cdt)
-        s = pa._scores(qc, k, scale, softcap)
+                                 dsl=pl.ds(0, D), dtype=dtype)
+        s = pa._scores(q, k, scale, softcap)
         ok = (kp >= lo) & (kp < pos)  # the token's own key comes from registers, below
         s = jnp.where(ok[None, :], s, -jnp.inf)
         return pa._online_update(carry, s, v)
@@ -122,7 +120,7 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_r
 def rope_decode_attention(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots,
                           block_tables, token_seq, *, num_heads, num_kv_heads, head_dim, scale,
                           window=0, softcap=None, interpret=None, num_splits=None, block_k=None,
-                          num_warps=None, num_stages=None, split_min_tiles=None, fp8_widen=None):
+                          num_warps=None, num_stages=None, split_min_tiles=None):
     """Same contract as reference.rope_decode_attention (qkv [T, N] or a SplitSum of it); every token
     is its own sequence's newest (a decode step). Tuning keywords as paged_attention's decode kernel."""
     if interpret is None:
@@ -139,7 +137,7 @@ def rope_decode_attention(qkv, positions, inv_freq, attn_factor, k_cache, v_cach
                                  scale=scale, window=window, softcap=softcap, mode="decode",
                                  interpret=interpret, num_splits=num_splits, block_k=block_k,
                                  num_warps=num_warps, num_stages=num_stages,
-                                 split_min_tiles=split_min_tiles, fp8_widen=fp8_widen)
+                                 split_min_tiles=split_min_tiles)
         return out, k_cache, v_cache
     parts_dtype = None
     if isinstance(qkv, SplitSum):
@@ -160,8 +158,7 @@ def rope_decode_attention(qkv, positions, inv_freq, attn_factor, k_cache, v_cach
             k_cache, v_cache)
     kernel = functools.partial(_kernel, scale=float(scale), softcap=float(softcap) if softcap else None,
                                H=H, KV=KV, G=G, Gp=Gp, D=D, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles,
-                               parts_dtype=parts_dtype,
-                               cdt=pa.compute_dtype(parts_dtype or qkv.dtype, k_cache.dtype, fp8_widen))
+                               parts_dtype=parts_dtype)
     full = pl.BlockSpec()
     o, m, l, k_cache, v_cache = pl.pallas_call(
         kernel,
