@@ -225,15 +225,19 @@ def speculative_fields(spec: dict | None) -> dict:
         return {}
     if not isinstance(spec, dict):
         raise ConfigError(f"speculative_config must be an object, got {type(spec).__name__}")
-    unknown = set(spec) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    unknown = set(spec) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                           "disable_by_batch_size"}
     if unknown:
         raise ConfigError(f"speculative_config: unknown key(s) {sorted(unknown)} (only the ngram method is "
-                          "implemented: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
+                          "implemented: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
+                          "disable_by_batch_size)")
     if spec.get("method", "ngram") != "ngram":
         raise ConfigError(f"speculative_config: method {spec['method']!r} is not supported (ngram: prompt lookup)")
     if "num_speculative_tokens" not in spec:
         raise ConfigError("speculative_config needs num_speculative_tokens")
     out = {k: spec[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in spec}
+    if "disable_by_batch_size" in spec:
+        out["speculative_disable_by_batch_size"] = spec["disable_by_batch_size"]
     for k, v in out.items():
         if type(v) is not int:
             raise ConfigError(f"speculative_config: {k} must be an integer, got {v!r}")
@@ -320,6 +324,8 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # no drafts while more than this many sequences run (vLLM's disable_by_batch_size); 0: no limit
+    speculative_disable_by_batch_size: int = 0
 
     @property
     def lora_slots(self) -> int:
@@ -361,6 +367,9 @@ class EngineConfig:
             raise ConfigError(f"min_token_bucket must be a positive power of two, got {self.min_token_bucket}")
         if not 0 <= self.num_speculative_tokens <= 15:
             raise ConfigError(f"num_speculative_tokens must be in [0, 15], got {self.num_speculative_tokens}")
+        if self.speculative_disable_by_batch_size < 0:
+            raise ConfigError("speculative disable_by_batch_size must be >= 0, got "
+                              f"{self.speculative_disable_by_batch_size}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
                               f"and {self.prompt_lookup_max}")

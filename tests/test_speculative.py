@@ -3,6 +3,8 @@ their own, then the real SmolLM2 through the engine — with drafts, greedy requ
 tokens they give without (drafts accepted where the text repeats), requests that cannot speculate
 (sampling, penalties, stop strings cutting the text) are unchanged, and nothing compiles while serving."""
 
+import hashlib
+
 import jax
 import pytest
 
@@ -83,3 +85,68 @@ def test_same_tokens_with_and_without_drafts():
     text = Metrics(spec.engine.stats).render().decode()
     for name, key in (("draft", "spec_draft_tokens"), ("accepted", "spec_accepted_tokens")):
         assert f"jaxserve_spec_decode_{name}_tokens_total {float(st[key])}" in text
+
+
+def _model_token(p: int) -> int:
+    """A fake model's greedy token at sequence index p: three symbols in a hashed order, so every 2-gram
+    recurs (prompt lookup always finds a draft) and drafts are right only by chance."""
+    return 10 + hashlib.md5(str(p).encode()).digest()[0] % 3
+
+
+class _SpecRunner:
+    """Fake runner for the scheduler (no JAX): sampled tokens and drafts' verification from _model_token."""
+
+    def run(self, out):
+        from jaxserve.engine.batch import StepResult
+
+        toks, ver = [], []
+        for ss in out.scheduled:
+            end = ss.start + ss.num_new  # index of the token sampled after the chunk
+            toks.append([_model_token(end + j) for j in range(out.decode_steps)] if ss.samples else [])
+            ver.append([_model_token(ss.start + 1 + j) for j in range(len(ss.draft))] if ss.draft else None)
+        n = len(toks)
+        return StepResult(toks, [None] * n, [None] * n, ver)
+
+
+def _spec_run(n_seqs=1, max_tokens=200, **cfg):
+    from jaxserve.engine.block_manager import BlockManager
+    from jaxserve.engine.scheduler import Scheduler
+
+    ec = EngineConfig(max_model_len=512, max_num_seqs=4, block_size=4, prefill_chunk_size=64, decode_steps=8,
+                      attn_tile=1, num_speculative_tokens=4, **cfg)
+    sched = Scheduler(ec, BlockManager(512, 4, False, None))
+    seqs = [Sequence(f"r{i}", [_model_token(p) for p in range(12)], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                                  ignore_eos=True))
+            for i in range(n_seqs)]
+    for s in seqs:
+        sched.add(s)
+    runner, drafted, multi = _SpecRunner(), 0, 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        drafted += sum(1 for ss in out.scheduled if ss.draft)
+        multi += out.decode_steps > 1
+        sched.update(out, runner.run(out), lambda t: False)
+    for s in seqs:  # drafts or not, the model's own tokens
+        assert s.output_token_ids == [_model_token(12 + i) for i in range(max_tokens)]
+    return drafted, multi, sched
+
+
+def test_refused_drafts_pause_drafting(monkeypatch):
+    """A sequence whose drafts the model mostly refuses stops drafting for a doubling number of tokens
+    (a drafted step leaves the multi-step decode loop: 7.5x slower at 32 sequences on an H100 when 95%
+    were refused), and decodes K tokens per dispatch meanwhile; disable_by_batch_size turns drafting off
+    above a batch size."""
+    from jaxserve.engine import speculative
+
+    drafted, multi, sched = _spec_run()
+    assert 0 < drafted <= 12 and multi >= 15, (drafted, multi)
+    assert sched.spec_accepted < sched.spec_proposed
+    monkeypatch.setattr(speculative, "BACKOFF_FIRST", 0)  # no pause: a draft at (nearly) every step
+    many, few_multi, _ = _spec_run()
+    assert many >= 60 and few_multi <= 2, (many, few_multi)
+    monkeypatch.undo()
+    drafted, _, _ = _spec_run(n_seqs=3, max_tokens=40, speculative_disable_by_batch_size=2)
+    assert drafted == 0
+    assert _spec_run(n_seqs=2, max_tokens=40, speculative_disable_by_batch_size=2)[0] > 0
+    assert speculative_fields({"num_speculative_tokens": 2, "disable_by_batch_size": 8}) == \
+        {"num_speculative_tokens": 2, "speculative_disable_by_batch_size": 8}

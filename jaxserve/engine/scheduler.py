@@ -169,7 +169,9 @@ class Scheduler:
 
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """Speculative tokens for a decode of seq (engine/speculative.py), none past what it may generate."""
-        if not self.cfg.num_speculative_tokens or not speculative.eligible(seq):
+        if not self.cfg.num_speculative_tokens or not speculative.may_draft(seq):
+            return ()
+        if 0 < self.cfg.speculative_disable_by_batch_size < len(self.running):
             return ()
         k = min(self.cfg.num_speculative_tokens, self._remaining(seq) - 1, self._room(seq) - 1)
         if k <= 0:
@@ -295,7 +297,9 @@ class Scheduler:
             if (s.num_new != 1 or not s.samples or s.start != s.seq.num_computed_tokens
                     or s.seq.matcher is not None):
                 return None
-        if self.cfg.num_speculative_tokens and any(speculative.eligible(s.seq) for s in items):
+        if (self.cfg.num_speculative_tokens
+                and not 0 < self.cfg.speculative_disable_by_batch_size < len(self.running)
+                and any(speculative.may_draft(s.seq, ahead=K0) for s in items)):
             return None  # a draft is looked up on the host after every dispatch (schedule())
         items = [s for s in items if self._remaining(s.seq) > K0]  # the rest end by length in prev
         if not items:
@@ -375,6 +379,7 @@ class Scheduler:
                     raise RuntimeError(f"seq {seq.seq_id} was due a sampled token but got none")
                 if ss.draft:
                     toks = self._verified(ss.draft, result.verify[i], toks[0])
+                    speculative.after_verify(seq, len(ss.draft), len(toks) - 1)
                 lps = result.logprobs[i] if result.logprobs else None
                 for j, tok in enumerate(toks if ss.draft else toks[:K]):
                     if j:

@@ -55,6 +55,10 @@ class Sequence:
     # model); one adapter at scale 1 unless a request mixes several (llama.cpp's per-request `lora`)
     lora_mix: tuple = ()
     lora_key: str = ""  # the adapters' loads and scales: its prefix-cache blocks are its own
+    # speculative decoding (engine/speculative.py): no drafts before this many output tokens (after drafts
+    # the model mostly refused), and how long the next such pause is
+    spec_resume_at: int = 0
+    spec_backoff: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
