@@ -305,7 +305,8 @@ class EngineConfig:
     # 195.7 vs 192.1 tok/s), off on CPU (the reference path either way) and over a mesh.
     fused_rope_kv: bool | None = None
     # Decode programs rotate q/k, write K/V and attend in one kernel (kernels/rope_attention) instead of
-    # the RoPE kernel and the attention kernel. None: on where both of those are the Pallas kernels.
+    # the RoPE kernel and the attention kernel. None: on where both of those are the Pallas kernels, except
+    # with an fp8 K/V cache (measured slower there).
     fused_decode_attention: bool | None = None
     fuse_projections: bool | None = None  # q/k/v and gate/up as one matmul each; None: on with one device
     # Decode matmuls of packed weights with 4-8-bit integer codes round x to int8 per 32 values (16 for
