@@ -535,6 +535,29 @@ def test_server_lora_races_and_bad_files(spare, files, refs):
                 gate.set()
                 del gc.matcher
             assert compiled.is_set() and r.status == 400, await r.text()
+            # a load while the only slot is still used by a request of an unloaded adapter waits for it
+            # (it was a 400), then succeeds; with the slot held by a loaded adapter it is a 400 at once
+            assert (await client.post("/v1/load_lora_adapter",
+                                      json={"lora_name": "z", "lora_path": str(files.y)})).status == 200
+            gate.clear()
+            held = asyncio.ensure_future(aeng.call(gate.wait))
+            comp = asyncio.ensure_future(client.post("/v1/completions", json=dict(body, max_tokens=12,
+                                                                                  ignore_eos=True)))
+            await asyncio.sleep(0.2)
+            unload = asyncio.ensure_future(client.post("/v1/unload_lora_adapter", json={"lora_name": "z"}))
+            await asyncio.sleep(0.2)
+            load = asyncio.ensure_future(client.post("/v1/load_lora_adapter",
+                                                     json={"lora_name": "w", "lora_path": str(files.x)}))
+            await asyncio.sleep(0.2)
+            gate.set()
+            await held
+            assert (await unload).status == 200
+            r = await load
+            assert r.status == 200, await r.text()
+            r = await comp
+            assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 12
+            r = await client.post("/v1/load_lora_adapter", json={"lora_name": "v", "lora_path": str(files.y)})
+            assert r.status == 400 and "slots are taken" in await r.text()
 
     asyncio.run(run())
 

@@ -77,6 +77,11 @@ class LoraSlots:
                             f"requests ({held or 'unloaded adapters still running'}); unload one, or start with "
                             "a larger max_loras (--max-loras)")
 
+    def may_free(self) -> bool:
+        """Whether a slot can become available without an unload: one no adapter holds (a removed adapter's,
+        still used by running requests) or an on-demand adapter's (evicted once its requests end)."""
+        return len(self.slot_of) < self.num_slots or bool(self._on_demand)
+
     def check_new(self, name: str) -> None:
         """A name a new adapter may take."""
         if not name or not isinstance(name, str):

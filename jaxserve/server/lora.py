@@ -15,6 +15,10 @@ from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import LoraScale, _Req, parse_request
 
 
+# How long a load waits for a slot that running requests still hold (then a 400)
+LOAD_WAIT_S = 60.0
+
+
 class LoadLoRAAdapterRequest(_Req):
     lora_name: str
     lora_path: str
@@ -34,7 +38,7 @@ def _require_loading(state) -> None:
 
 
 async def load_lora_adapter(request: web.Request, state, body) -> web.Response:
-    from jaxserve.engine.lora_slots import LoraSlotError
+    from jaxserve.engine.lora_slots import LoraSlotError, LoraSlotsFull
     from jaxserve.loader.lora import LoraError
 
     _require_loading(state)
@@ -54,10 +58,21 @@ async def load_lora_adapter(request: web.Request, state, body) -> web.Response:
     except (ValueError, OSError) as e:  # LoraError, or a corrupt file (a bad safetensors header, ...)
         raise bad_request(str(e) if isinstance(e, LoraError) else f"{req.lora_path}: {type(e).__name__}: {e}",
                           "lora_path") from None
-    try:
-        await state.aengine.call(lambda: eng.add_lora(name, req.lora_path, stacks))
-    except LoraSlotError as e:
-        raise bad_request(str(e), "lora_name") from None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LOAD_WAIT_S
+    while True:
+        try:
+            await state.aengine.call(lambda: eng.add_lora(name, req.lora_path, stacks))
+            break
+        except LoraSlotsFull as e:
+            # a slot that frees when running requests end (an unloaded adapter's, an on-demand one's): wait
+            # for it, as vLLM queues such loads; every slot held by a loaded adapter: refused at once
+            if not eng.lora.may_free() or loop.time() > deadline:
+                raise bad_request(str(e) + (f" (waited {LOAD_WAIT_S:.0f} s)" if eng.lora.may_free() else ""),
+                                  "lora_name") from None
+            await asyncio.sleep(0.05)
+        except LoraSlotError as e:
+            raise bad_request(str(e), "lora_name") from None
     state.adapters = dict(eng.lora_paths)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
