@@ -50,6 +50,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=None, metavar="N",
                    help="LoRA adapter slots (default: one per --lora-modules adapter); slots beyond them take "
                         "adapters loaded while serving (--enable-lora-loading); each costs every token its rank")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="adapters read from disk kept in host memory, so an evicted one loads again without "
+                        "reading its files (default: twice --max-loras; 0: none)")
     g.add_argument("--isq", default=None, metavar="FMT",
                    help="quantize dense matmul weights at load: q4_0 q4_1 q5_0 q5_1 q8_0 q2k q3k q4k q5k q6k")
     g.add_argument("--packed", choices=["auto", "on", "off"], default="auto",
@@ -167,6 +170,8 @@ def engine_config_from_args(args):
         kw["max_lora_rank"] = args.max_lora_rank
     if getattr(args, "max_loras", None) is not None:
         kw["max_loras"] = args.max_loras
+    if getattr(args, "max_cpu_loras", None) is not None:
+        kw["max_cpu_loras"] = args.max_cpu_loras
     if getattr(args, "packed", "auto") != "auto":
         kw["packed_weights"] = args.packed == "on"
     if getattr(args, "int8_activations", False):

@@ -16,7 +16,7 @@ import pytest
 from conftest import validate_schema
 from hf_tiny import make_tiny_model
 from jaxserve import LLM, LoRARequest, SamplingParams
-from jaxserve.config import ConfigError
+from jaxserve.config import ConfigError, EngineConfig
 from jaxserve.engine.llm_engine import load_model
 from jaxserve.engine.sampling_params import SamplingParamsError
 from jaxserve.loader.lora import LoraError
@@ -375,6 +375,41 @@ def test_loading_adapters_while_serving(spare, files, refs):
     gx = write_gguf_adapter(files.x, files.tmp / "x.gguf", eng.cfg.num_heads, eng.cfg.num_kv_heads)
     _same(llm.generate(prompt, _greedy(6), lora_request=LoRARequest("xg", 4, str(gx)))[0].outputs[0], want["x"])
     assert len(_compiles) == n, f"{len(_compiles) - n} compile(s) while loading adapters"
+
+
+def test_adapters_kept_in_host_memory(spare, files, refs, monkeypatch, tmp_path):
+    """An on-demand adapter evicted from its slot loads again from host memory (max_cpu_loras: twice the
+    slots by default), not from disk; a file changed on disk is read again; max_cpu_loras 0 keeps none."""
+    import os
+    import shutil
+
+    from jaxserve.loader import lora as lora_mod
+
+    for name in list(spare.list_loras()):
+        spare.remove_lora(name)
+    spare.engine._cpu_loras.clear()
+    reads = []
+    opener = lora_mod.open_adapter
+    monkeypatch.setattr(lora_mod, "open_adapter", lambda p, cfg: (reads.append(p), opener(p, cfg))[1])
+    xd = shutil.copytree(files.x, tmp_path / "x")
+    x, y = LoRARequest("x", 1, str(xd)), LoRARequest("y", 2, str(files.y))
+    want = refs["x"].generate(PROMPTS[0], _greedy(6))[0].outputs[0]
+    for lr in (x, y, x):  # x, then y evicts it, then x evicts y: x's files read once
+        spare.generate(PROMPTS[0], _greedy(6), lora_request=lr)
+    assert len(reads) == 2 and spare.list_loras() == {"x": str(xd)}
+    _same(spare.generate(PROMPTS[0], _greedy(6), lora_request="x")[0].outputs[0], want)
+    st = next(f for f in xd.iterdir() if f.suffix == ".safetensors")
+    os.utime(st, ns=(st.stat().st_atime_ns, st.stat().st_mtime_ns + 10**9))  # "changed" on disk
+    spare.generate(PROMPTS[0], _greedy(2), lora_request=y)
+    spare.generate(PROMPTS[0], _greedy(2), lora_request=x)
+    assert len(reads) == 3
+    monkeypatch.setattr(spare.engine, "ecfg", spare.engine.ecfg.replace(max_cpu_loras=0))
+    spare.engine._cpu_loras.clear()
+    for lr in (y, x):
+        spare.generate(PROMPTS[0], _greedy(2), lora_request=lr)
+    assert len(reads) == 5 and not spare.engine._cpu_loras
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        EngineConfig(max_cpu_loras=-1)
 
 
 def test_server_loads_adapters(spare, files, refs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +251,14 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model's name when n
 RANDOM_PREFIX = "random:"
 
 
+def _adapter_files_key(path) -> tuple:
+    """An adapter's identity on disk: its resolved path and each file's name, size and modification time
+    (a GGUF adapter is one file, a PEFT one a directory)."""
+    p = Path(path).expanduser().resolve()
+    files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else []
+    return (str(p), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
 def _native_cpu_available() -> bool:
     from jaxserve.kernels.quant_matmul import cpu_native
 
@@ -416,6 +425,10 @@ class LLMEngine:
             raise ValueError(f"the engine config's {ecfg.lora_slots} LoRA adapter slots are not the "
                              f"{lm.lora_slots} the loaded model's stacks hold (load_model(..., max_loras=...))")
         self.lora = LoraSlots(ecfg.lora_slots, ecfg.lora_modules)
+        # adapters read from disk, by their files (ecfg.max_cpu_loras); prepare_lora also runs off the engine
+        # thread (the server's loads)
+        self._cpu_loras: dict = {}
+        self._cpu_loras_lock = threading.Lock()
         if ecfg.max_model_len > lm.cfg.max_position_embeddings and not lm.cfg.rope_scaling:
             log.warning("max_model_len %d exceeds the model's %d positions", ecfg.max_model_len,
                         lm.cfg.max_position_embeddings)
@@ -586,8 +599,21 @@ class LLMEngine:
         if self.lora.num_slots == 0:
             raise LoraSlotError("this engine has no LoRA adapter slots (start it with max_loras / --max-loras, "
                                 "or lora_modules)")
+        key = _adapter_files_key(path)
+        with self._cpu_loras_lock:
+            hit = self._cpu_loras.pop(key, None)
+            if hit is not None:
+                self._cpu_loras[key] = hit  # the most recently used
+                return hit
         ad = lora_mod.open_adapter(path, self.cfg)
-        return lora_mod.stack_adapters([ad], self.cfg, self.model.lora_rank, self.model.lora_targets, 1)
+        stacks = lora_mod.stack_adapters([ad], self.cfg, self.model.lora_rank, self.model.lora_targets, 1)
+        keep = 2 * self.lora.num_slots if self.ecfg.max_cpu_loras is None else self.ecfg.max_cpu_loras
+        with self._cpu_loras_lock:
+            if keep > 0:
+                self._cpu_loras[key] = stacks
+            while len(self._cpu_loras) > keep:
+                self._cpu_loras.pop(next(iter(self._cpu_loras)))
+        return stacks
 
     def add_lora(self, name: str, path: str, stacks: dict | None = None, on_demand: bool = False) -> int:
         """Load a PEFT LoRA adapter into a free adapter slot (or the least recently used on-demand one) under
