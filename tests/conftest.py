@@ -21,6 +21,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _fast_gguf_reader_everywhere() -> None:
+    """transformers loads GGUF files (the parity tests' reference side) through gguf.GGUFReader, which
+    takes ~7 s to open SmolLM2's file and ~28 s for Gemma 3's (one view per vocabulary string); it opens
+    each file two or three times. jaxserve's FastGGUFReader builds the very same fields (tested field by
+    field against gguf's reader in test_gguf_loader.py) and only parses metadata faster; the model
+    math and dequantization on the reference side stay transformers' and gguf's own."""
+    import gguf
+    import gguf.gguf_reader
+
+    from jaxserve.loader.gguf_reader import FastGGUFReader
+
+    gguf.GGUFReader = gguf.gguf_reader.GGUFReader = FastGGUFReader
+
+
+_fast_gguf_reader_everywhere()
 SMOLLM_GGUF = Path.home() / ".cache/jaxserve/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
