@@ -80,7 +80,8 @@ def with_random_adapters(lm, n: int, rank: int, dtype: str):
         stacks[t] = {"a": (rng.standard_normal((L, i, 1, n, rank), np.float32) * i ** -0.5),
                      "b": (rng.standard_normal((L, 1, n, rank, o), np.float32) * 0.01)}
     return dataclasses.replace(lm, weights=attach(lm.weights, stacks, dtype),
-                               lora_names=tuple(f"a{k}" for k in range(n)))
+                               lora_names=tuple(f"a{k}" for k in range(n)), lora_rank=rank,
+                               lora_targets=tuple(stacks), lora_slots=n)
 
 
 def main(argv=None):

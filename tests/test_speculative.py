@@ -141,6 +141,9 @@ def test_refused_drafts_pause_drafting(monkeypatch):
     drafted, multi, sched = _spec_run()
     assert 0 < drafted <= 12 and multi >= 15, (drafted, multi)
     assert sched.spec_accepted < sched.spec_proposed
+    # 4 sequences: the batch pauses as one (each pausing on its own still left a draft in most steps)
+    drafted, multi, _ = _spec_run(n_seqs=4, max_tokens=120)
+    assert drafted <= 24 and multi >= 8, (drafted, multi)
     monkeypatch.setattr(speculative, "BACKOFF_FIRST", 0)  # no pause: a draft at (nearly) every step
     many, few_multi, _ = _spec_run()
     assert many >= 60 and few_multi <= 2, (many, few_multi)

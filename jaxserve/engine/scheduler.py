@@ -38,6 +38,7 @@ class Scheduler:
         self._finished_log: list[Sequence] = []
         self.spec_proposed = 0  # speculative decoding: draft tokens fed, and how many the model agreed with
         self.spec_accepted = 0
+        self.spec_pause = speculative.BatchPause()
 
     # ---------------------------------------------------------------- queue management
 
@@ -169,7 +170,7 @@ class Scheduler:
 
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """Speculative tokens for a decode of seq (engine/speculative.py), none past what it may generate."""
-        if not self.cfg.num_speculative_tokens or not speculative.may_draft(seq):
+        if not self.cfg.num_speculative_tokens or self.spec_pause.active() or not speculative.may_draft(seq):
             return ()
         if 0 < self.cfg.speculative_disable_by_batch_size < len(self.running):
             return ()
@@ -299,6 +300,7 @@ class Scheduler:
                 return None
         if (self.cfg.num_speculative_tokens
                 and not 0 < self.cfg.speculative_disable_by_batch_size < len(self.running)
+                and not self.spec_pause.active(ahead=K0)
                 and any(speculative.may_draft(s.seq, ahead=K0) for s in items)):
             return None  # a draft is looked up on the host after every dispatch (schedule())
         items = [s for s in items if self._remaining(s.seq) > K0]  # the rest end by length in prev
@@ -361,6 +363,7 @@ class Scheduler:
         """Apply one step's results. Returns the sequences that got tokens or finished."""
         changed: list[Sequence] = []
         K = sched_out.decode_steps
+        drafted = accepted = 0
         for i, ss in enumerate(sched_out.scheduled):
             seq = ss.seq
             if seq.status != SeqStatus.RUNNING:
@@ -380,6 +383,7 @@ class Scheduler:
                 if ss.draft:
                     toks = self._verified(ss.draft, result.verify[i], toks[0])
                     speculative.after_verify(seq, len(ss.draft), len(toks) - 1)
+                    drafted, accepted = drafted + len(ss.draft), accepted + len(toks) - 1
                 lps = result.logprobs[i] if result.logprobs else None
                 for j, tok in enumerate(toks if ss.draft else toks[:K]):
                     if j:
@@ -399,6 +403,8 @@ class Scheduler:
                 self._release(seq)
             if samples or seq.is_finished:
                 changed.append(seq)
+        if self.cfg.num_speculative_tokens:
+            self.spec_pause.after_step(K, drafted, accepted)
         return changed
 
     def _verified(self, draft: tuple[int, ...], argmax: list[int], bonus: int) -> list[int]:

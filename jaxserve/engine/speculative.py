@@ -48,13 +48,41 @@ BACKOFF_FIRST = 8
 BACKOFF_MAX = 128
 
 
+def _next_backoff(backoff: int) -> int:
+    return min(BACKOFF_MAX, 2 * backoff if backoff else BACKOFF_FIRST)
+
+
 def after_verify(seq, drafted: int, accepted: int) -> None:
     """Update seq's drafting pause after the model accepted `accepted` of its `drafted` tokens."""
     if accepted == drafted:
         seq.spec_backoff = 0
     elif 2 * accepted < drafted:
-        seq.spec_backoff = min(BACKOFF_MAX, 2 * seq.spec_backoff if seq.spec_backoff else BACKOFF_FIRST)
+        seq.spec_backoff = _next_backoff(seq.spec_backoff)
         seq.spec_resume_at = len(seq.output_token_ids) + seq.spec_backoff
+
+
+class BatchPause:
+    """The same pause for the whole batch, counted in decode steps: one sequence's draft takes every
+    sequence of the step out of the multi-step loop, so with many sequences, each pausing on its own
+    still left a draft in nearly every step (H100, 32 sequences of refused drafts: 1,201 tok/s with
+    per-sequence pauses alone, 4,109 without drafting). A step whose drafts were mostly refused pauses
+    all drafting; a step whose drafts were all accepted ends the pauses."""
+
+    def __init__(self) -> None:
+        self.clock = self.resume_at = self.backoff = 0
+
+    def active(self, ahead: int = 0) -> bool:
+        return self.clock + ahead < self.resume_at
+
+    def after_step(self, steps: int, drafted: int, accepted: int) -> None:
+        self.clock += steps
+        if not drafted:
+            return
+        if accepted == drafted:
+            self.backoff = 0
+        elif 2 * accepted < drafted:
+            self.backoff = _next_backoff(self.backoff)
+            self.resume_at = self.clock + self.backoff
 
 
 def may_draft(seq, ahead: int = 0) -> bool:
