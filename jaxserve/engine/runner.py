@@ -177,8 +177,8 @@ class ModelRunner:
             raise ValueError("fused_decode_attention needs the fused RoPE kernel (fused_rope_kv, one "
                              "device) and the pallas_triton attention")
         # Not by default with an fp8 cache: on an H100 (session 19) the separate kernels decoded faster
-        # there (32 x 1,024: 4,287 vs 4,058-4,192 tok/s; bs1 at 32k: 142 vs 137-139).
-        fp8_cache = ecfg.kv_dtype is not None and "float8" in str(ecfg.kv_dtype)
+        # there (32 x 1,024: 4,287 vs 4,058-4,192 tok/s; bs1 at 32k: 142 vs 137-139; one run each).
+        fp8_cache = ecfg.kv_dtype is not None and jnp.dtype(ecfg.kv_dtype).itemsize == 1
         if fused_attn or (fused_attn is None and self.rope_kv is not None and pallas_attn and not fp8_cache):
             from jaxserve.kernels import rope_attention
 

@@ -168,11 +168,16 @@ class Scheduler:
         want = (min if self.waiting else max)(self._remaining(s) for s in seqs)
         return min(K, want - done, min(self._room(s) for s in seqs) - done)
 
+    def _may_draft(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether seq would look for a draft `ahead` decode steps from now: speculation on, the batch not
+        over disable_by_batch_size, neither the batch nor seq pausing (engine/speculative.py)."""
+        return (bool(self.cfg.num_speculative_tokens)
+                and not 0 < self.cfg.speculative_disable_by_batch_size < len(self.running)
+                and not self.spec_pause.active(ahead) and speculative.may_draft(seq, ahead))
+
     def _draft(self, seq: Sequence) -> tuple[int, ...]:
         """Speculative tokens for a decode of seq (engine/speculative.py), none past what it may generate."""
-        if not self.cfg.num_speculative_tokens or self.spec_pause.active() or not speculative.may_draft(seq):
-            return ()
-        if 0 < self.cfg.speculative_disable_by_batch_size < len(self.running):
+        if not self._may_draft(seq):
             return ()
         k = min(self.cfg.num_speculative_tokens, self._remaining(seq) - 1, self._room(seq) - 1)
         if k <= 0:
@@ -298,10 +303,7 @@ class Scheduler:
             if (s.num_new != 1 or not s.samples or s.start != s.seq.num_computed_tokens
                     or s.seq.matcher is not None):
                 return None
-        if (self.cfg.num_speculative_tokens
-                and not 0 < self.cfg.speculative_disable_by_batch_size < len(self.running)
-                and not self.spec_pause.active(ahead=K0)
-                and any(speculative.may_draft(s.seq, ahead=K0) for s in items)):
+        if any(self._may_draft(s.seq, ahead=K0) for s in items):
             return None  # a draft is looked up on the host after every dispatch (schedule())
         items = [s for s in items if self._remaining(s.seq) > K0]  # the rest end by length in prev
         if not items:

@@ -2,7 +2,7 @@
 
 GGUFReader builds one memory-mapped numpy view per array element while it opens a file (two per string:
 its length and its bytes). A tokenizer's metadata holds three arrays the length of the vocabulary, so
-opening SmolLM2's GGUF (49k tokens) took ~11 s and Gemma 3's (262k) ~31 s on a 2-core machine, every
+opening SmolLM2's GGUF (49k tokens) took 7-11 s and Gemma 3's (262k) 28-31 s on a 2-core machine, every
 time a process opened it. This subclass reads long arrays from a plain (non-memmap) ndarray view of the
 same mapping with `struct`, which builds the same fields (the same `parts`, `data` and `types`, so
 `ReaderField.contents()` and every caller work unchanged) in well under a second. Short fields, byte-swapped
