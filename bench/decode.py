@@ -75,7 +75,7 @@ def _read_bytes(w) -> int:
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
                  fuse=None, batch=1, fused_rope_kv=None, qmatmul=None, int8_activations=False,
-                 dense_gemv=None, fused_decode_attention=None):
+                 dense_gemv=None, fused_decode_attention=None, kv_dtype=None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -86,13 +86,13 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
                         fused_rope_kv=fused_rope_kv, int8_activations=int8_activations,
                         scan_layers=False, dense_gemv=dense_gemv is not None,
-                        fused_decode_attention=fused_decode_attention)
+                        fused_decode_attention=fused_decode_attention, kv_dtype=kv_dtype)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul,
                          dense_gemv_tuning=dense_gemv)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
     shape, dt = runner.state["k"].shape, runner.state["k"].dtype
     kk, kv = jax.random.split(jax.random.PRNGKey(seed + 1))
-    draw = jax.jit(lambda k: jax.random.normal(k, shape, dt))
+    draw = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16).astype(dt))  # fp8: drawn in bf16
     runner.state = dict(runner.state, k=None, v=None)
     runner.state["k"] = draw(kk)
     runner.state["v"] = draw(kv)
@@ -167,6 +167,8 @@ def main(argv=None):
                     help="the fused RoPE + K/V write kernel (auto: the engine's default, on with one GPU)")
     ap.add_argument("--fused-decode-attention", choices=["auto", "on", "off"], default="auto",
                     help="RoPE + K/V write + decode attention in one kernel (auto: the engine's default)")
+    ap.add_argument("--kv-dtype", default=None,
+                    help="the K/V cache dtype (EngineConfig.kv_dtype: fp8, bfloat16, ...; default the model's)")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (tok/s: aggregate)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps per dispatch (K)")
     ap.add_argument("--dispatches", type=int, default=8, help="dispatches per timed run")
@@ -298,6 +300,7 @@ def main(argv=None):
             label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
         label += (" fused" if fuse else "") + (f" rope_kv={args.fused_rope_kv}" if args.fused_rope_kv != "auto" else "")
         label += f" fused_attn={args.fused_decode_attention}" if args.fused_decode_attention != "auto" else ""
+        label += f" kv={args.kv_dtype}" if args.kv_dtype else ""
         if dgemv is not None:
             label += " dgemv" + "".join(f",{k}={v}" for k, v in sorted(dgemv.items()))
         if quant != "none":
@@ -329,7 +332,8 @@ def main(argv=None):
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=onoff[args.fused_rope_kv],
                               qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv,
-                              fused_decode_attention=onoff[args.fused_decode_attention])
+                              fused_decode_attention=onoff[args.fused_decode_attention],
+                              kv_dtype=args.kv_dtype)
         if args.norm_impl != "default":
             from jaxserve.kernels import rms_norm
 
@@ -371,7 +375,8 @@ def main(argv=None):
             eng = [run_engine(runner, seq, ctx, args.steps, args.dispatches) for _ in range(args.runs)]
             devs = [run_device(runner, seq, ctx, args.steps, args.dispatches) for _ in range(args.runs)]
             mid_ctx = ctx + args.steps * args.dispatches // 2
-            nbytes = wbytes + B * kv_bytes_per_token(cfg, mid_ctx, 2)  # per step of all B rows
+            kv_item = runner.state["k"].dtype.itemsize
+            nbytes = wbytes + B * kv_bytes_per_token(cfg, mid_ctx, kv_item)  # per step of all B rows
             roof = B * args.bandwidth / nbytes
             row = dict(config=args.config, attention=label, quant=quant, batch=B, context=ctx, steps=args.steps,
                        tok_s=statistics.median(eng), tok_s_min=min(eng), tok_s_max=max(eng),

@@ -10,7 +10,7 @@
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
-#                                               kv-fp8-time moe-packed-tests
+#                                               kv-fp8-time moe-packed-tests kv-fp8-prof
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -106,6 +106,14 @@ for part in "$@"; do
                  tp 150 --workloads 1x32768x256,32x1024x128 --runs 3 | tail -3
                  tp 260 --workloads 1x32768x256,32x1024x128 --runs 3 --kv-dtype fp8 \
                    --fused-decode-attention on,off | tail -6 ;;
+    # Where the fp8 cache's kernel gain goes (session 20): the serial runner's decode program at bs1 32k
+    # and 32 x 1,024 with per-kernel device tables, bf16 cache against fp8 (each path's default kernels)
+    kv-fp8-prof) for kv in bfloat16 fp8; do
+                   timeout 170 python3 bench/decode.py $A --attention pallas_triton --contexts 32768 --runs 3 \
+                     --profile 1 --kv-dtype $kv --json "$OUT/decode.jsonl" 2>&1 | grep -v "^#" | tail -28
+                   timeout 150 python3 bench/decode.py $A --attention pallas_triton --contexts 1024 --batch 32 \
+                     --runs 3 --profile 1 --kv-dtype $kv --json "$OUT/decode.jsonl" 2>&1 | grep -v "^#" | tail -28
+                 done ;;
     # Multi-LoRA (not yet run on a GPU): 4 random adapters of rank 16 on every projection against none
     # (prompts cycle over the adapters and the base model; bs1 runs adapter a0)
     # Speculative decoding by prompt lookup (session 18, not yet run on a GPU): the random model's greedy
