@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup (engine/speculative.py): the proposer and the verification on
-their own, then the real SmolLM2 through the engine — with drafts, greedy requests give exactly the
-tokens they give without (drafts accepted where the text repeats), requests that cannot speculate
-(sampling, penalties, stop strings cutting the text) are unchanged, and nothing compiles while serving."""
+their own, then the real SmolLM2 through the engine — with drafts, greedy and seeded sampled requests
+give exactly the tokens they give without (drafts accepted where the text repeats), requests that cannot
+speculate (penalties) and stop strings cutting the text are unchanged, and nothing compiles while
+serving."""
 
 import hashlib
 
@@ -31,7 +32,8 @@ def test_propose():
 def test_eligible_and_config():
     seq = lambda **kw: Sequence(request_id="r", prompt_token_ids=[1, 2], params=SamplingParams(**kw))
     assert eligible(seq(temperature=0))
-    for kw in ({"temperature": 0.7}, {"temperature": 0, "repetition_penalty": 1.1},
+    assert eligible(seq(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3))  # sampled: the same draw
+    for kw in ({"temperature": 0.7, "frequency_penalty": 0.2}, {"temperature": 0, "repetition_penalty": 1.1},
                {"temperature": 0, "logit_bias": {3: 1.0}}, {"temperature": 0, "logprobs": 2},
                {"temperature": 0, "min_tokens": 3}, {"temperature": 0, "presence_penalty": 0.5}):
         assert not eligible(seq(**kw)), kw
@@ -54,10 +56,14 @@ COUNT = "one two three four five six seven eight nine ten, one two three four fi
 QUOTE = "Copy this line: the quick brown fox jumps over the lazy dog. Again: the quick brown"
 
 
+# top-k 20 keeps the draw among the sampler's candidates, top-p 0.8 makes it compute a nucleus, min-p too
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.02, seed=7, max_tokens=32, ignore_eos=True)
+
+
 def _run(llm):
     reqs = [(COUNT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)),
             (QUOTE, SamplingParams(temperature=0, max_tokens=24, stop=["dog"])),
-            (COUNT, SamplingParams(temperature=0.8, seed=7, max_tokens=16)),
+            (COUNT, SAMPLED),
             (QUOTE, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3))]
     outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
@@ -79,6 +85,13 @@ def test_same_tokens_with_and_without_drafts():
     one = spec.generate(COUNT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
     steps = spec.engine.stats()["num_steps"] - st["num_steps"]
     assert one.outputs[0].token_ids == want[0][0] and steps < 20, steps
+    # a seeded sampled request drafts too: the same tokens, some drafts kept, fewer steps than tokens
+    st = spec.engine.stats()
+    one = spec.generate(COUNT, SAMPLED)[0]
+    st2 = spec.engine.stats()
+    assert one.outputs[0].token_ids == want[2][0] and len(want[2][0]) == 32
+    assert st2["spec_accepted_tokens"] - st["spec_accepted_tokens"] >= 8, (st, st2)
+    assert st2["num_steps"] - st["num_steps"] < 28
     from jaxserve.server.metrics import Metrics  # /metrics exports the two counters
 
     st = spec.engine.stats()

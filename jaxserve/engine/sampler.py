@@ -348,13 +348,16 @@ def _draw(xb: jax.Array, bm: jax.Array, thr: jax.Array, inv_t: jax.Array, seed: 
 
 def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax.Array,
            prompt_mask: jax.Array, num_top: int, *, logprobs: bool = True,
-           num_candidates: int = NUM_CANDIDATES, return_processed: bool = False) -> dict[str, jax.Array]:
+           num_candidates: int = NUM_CANDIDATES, return_processed: bool = False,
+           penalties: bool = True) -> dict[str, jax.Array]:
     """Sample one token per row.
 
     logits f32[S, V] (any float dtype); st: build_sampling_tensors' arrays (as jnp arrays);
     positions i32[S] (position of the token being sampled: it keys the noise); output_counts
     i32[S, V] (per-token counts of the row's generated tokens); prompt_mask bool[S, V] (token occurs
-    in the prompt). num_top, logprobs, num_candidates and return_processed are static.
+    in the prompt). num_top, logprobs, num_candidates, return_processed and penalties are static;
+    penalties=False skips step 2 (bias, EOS suppression, penalties, token mask: st then needs only
+    temperature, top_p, top_k, min_p and seed; output_counts and prompt_mask may be None).
     logprobs=False (with num_top=0) skips the raw log-softmax, an exp pass over the vocabulary:
     "logprob" is then zeros.
 
@@ -367,8 +370,8 @@ def sample(logits: jax.Array, st: dict, positions: jax.Array, output_counts: jax
     S, V = logits.shape
     if logprobs or num_top > 0:
         lse_raw = _logsumexp(logits, jnp.max(logits, axis=-1))
-    x = apply_penalties(logits, st, output_counts, prompt_mask)
-    if "allowed" in st:  # static: the runner always passes it (all ones without constrained rows)
+    x = apply_penalties(logits, st, output_counts, prompt_mask) if penalties else logits
+    if penalties and "allowed" in st:  # static: the runner always passes it (all ones without constrained rows)
         x = apply_token_mask(x, st)
     temp = st["temperature"].astype(jnp.float32)
     greedy = temp <= 0.0

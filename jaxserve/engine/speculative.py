@@ -1,16 +1,21 @@
 """Speculative decoding by prompt lookup (vLLM's "ngram" method; host side, no JAX).
 
-A greedy sequence whose last tokens (an n-gram, longest first from prompt_lookup_max down to
-prompt_lookup_min) occurred earlier in its prompt or output proposes the k tokens that followed that
-occurrence. The step then feeds [last token, draft...] as one chunk of a mixed step; the target model's
-greedy choice at every position of the chunk (the argmax of its logits) verifies the draft: the longest
-matching prefix is kept, plus the model's own token where the first mismatch is (or, when every draft
-token matched, the token sampled after the chunk). So each step still yields the model's greedy tokens,
-1 to k + 1 of them, for one forward pass over k + 1 positions: a win where text repeats its context
-(quoting, editing, code, extraction), nothing proposed (a plain decode) where it does not.
+A sequence whose last tokens (an n-gram, longest first from prompt_lookup_max down to prompt_lookup_min)
+occurred earlier in its prompt or output proposes the k tokens that followed that occurrence. The step
+then feeds [last token, draft...] as one chunk of a mixed step, and the sampler picks a token after every
+position of the chunk (step.py: "verify"): the argmax for greedy requests; for sampled ones (temperature,
+top-k, top-p, min-p) the very draw a plain decode would make there, since the sampler's noise is keyed by
+the request's seed and the sampled position only. The longest prefix of the draft equal to those picks is
+kept, plus the pick where the first mismatch is (or, when every draft token matched, the token sampled
+after the chunk). Each kept draft token is the token decoding without drafts would have produced, given
+the same tokens before it, so the output is that of decoding without drafts (up to float rounding of the
+logits), 1 to k + 1 tokens for one forward pass over k + 1 positions; a sampled draft token is kept with
+the probability the model gives it (as rejection sampling with a one-token draft keeps it). A win where
+text repeats its context (quoting, editing, code, extraction), nothing proposed (a plain decode) where
+it does not.
 
-Only plain greedy sequences speculate: sampling, penalties, logit bias, a pending min_tokens, logprobs
-and grammars change which token the sampler picks or need it token by token.
+Penalties, logit bias, a pending min_tokens, logprobs and grammars change the distribution token by
+token (or need each token's own pass): those sequences do not draft.
 """
 
 from __future__ import annotations
@@ -91,9 +96,9 @@ def may_draft(seq, ahead: int = 0) -> bool:
 
 
 def eligible(seq) -> bool:
-    """Whether the sampler's choice for seq is the plain argmax of the logits (and nothing needs its
-    tokens one at a time)."""
+    """Whether the sampler's choice for seq depends on its logits, seed and position only (greedy, or
+    temperature / top-k / top-p / min-p), and nothing needs its tokens one at a time."""
     p = seq.params
-    return (p.temperature == 0 and not p.presence_penalty and not p.frequency_penalty
+    return (not p.presence_penalty and not p.frequency_penalty
             and p.repetition_penalty == 1.0 and not p.logit_bias and p.logprobs is None
             and seq.matcher is None and len(seq.output_token_ids) >= p.min_tokens)

@@ -121,13 +121,28 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
 
     out["prompt_logprob"], out["prompt_top_ids"], out["prompt_top_logprobs"] = jax.lax.cond(
         inp["want_plp"], prompt_lp, none)
-    if "verify_idx" in inp:  # speculative decoding: the greedy token at each draft position (only those rows)
-        rows = inp["verify_idx"]
-        out["verify"] = jax.lax.cond(
-            inp["want_verify"],
-            lambda: jnp.argmax(tf.logits_from_hidden(cfg, weights, hidden[rows], qmm), axis=-1).astype(jnp.int32),
-            lambda: jnp.zeros(rows.shape, jnp.int32))
+    if "verify_idx" in inp:  # speculative decoding: the token sampled at each draft position (those rows only)
+        out["verify"] = jax.lax.cond(inp["want_verify"], lambda: _verify_tokens(cfg, weights, hidden, inp,
+                                                                                 logits_sharding, qmm),
+                                     lambda: jnp.zeros(inp["verify_idx"].shape, jnp.int32))
     return state, out
+
+
+def _verify_tokens(cfg, weights, hidden, inp, logits_sharding, qmm):
+    """The token the sampler would pick after each drafted row: the same draw (noise keyed by the request's
+    seed and the sampled position only, engine/sampler.py) that a plain decode would make there, so a
+    draft token equal to it is what decoding without drafts would have produced once the tokens before it
+    were (engine/speculative.py). Greedy rows: the argmax. Drafting requests have no penalties, bias,
+    grammar or pending min_tokens, so the sampler's step 2 is skipped."""
+    rows = inp["verify_idx"]  # S items x (k + 1) rows
+    logits = tf.logits_from_hidden(cfg, weights, hidden[rows], qmm)
+    if logits_sharding is not None:
+        logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+    item = jnp.arange(rows.shape[0]) // (rows.shape[0] // inp["rows"].shape[0])
+    st = {k: inp["st"][k][item] for k in ("temperature", "top_p", "top_k", "min_p", "seed")}
+    out = sampler_mod.sample(logits, st, inp["positions"][rows] + 1, None, None, 0, logprobs=False,
+                             penalties=False)
+    return out["tokens"]
 
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
