@@ -252,10 +252,41 @@ def _launch(names) -> None:
             _servers[name] = ServerProc(name, args, host)
 
 
+# Parallel runs (pytest-xdist, README's test command: `-n 2 --dist loadgroup`): every test module is one
+# group, so a module's fixtures are built once, on one worker; the modules that share the main server are
+# one group, so only one worker starts it. A worker collects every test but runs only its groups, so
+# under xdist a server starts when a test first asks for it rather than all at once.
+SERVER_GROUP = {m: "main-server" for m in SERVER_CONFIGS["main"]["used_by"]}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        mod = item.module.__name__.rpartition(".")[2]
+        item.add_marker(pytest.mark.xdist_group(SERVER_GROUP.get(mod, mod)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """After each module: drop JAX's compiled programs and what only they kept alive. Two workers that
+    each kept every program of their half of the suite grew to 6-8 GB apiece, which with the servers
+    ran a 24 GB machine out of memory."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def server_factory(request):
     modules = {item.module.__name__.rpartition(".")[2] for item in request.session.items}
     wanted = [n for n, cfg in SERVER_CONFIGS.items() if modules & set(cfg["used_by"])]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        wanted = []
 
     def get(name: str) -> ServerProc:
         _launch(wanted + [name])

@@ -33,8 +33,9 @@ def test_eligible_and_config():
     seq = lambda **kw: Sequence(request_id="r", prompt_token_ids=[1, 2], params=SamplingParams(**kw))
     assert eligible(seq(temperature=0))
     assert eligible(seq(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=3))  # sampled: the same draw
+    assert eligible(seq(temperature=0, logprobs=3))
     for kw in ({"temperature": 0.7, "frequency_penalty": 0.2}, {"temperature": 0, "repetition_penalty": 1.1},
-               {"temperature": 0, "logit_bias": {3: 1.0}}, {"temperature": 0, "logprobs": 2},
+               {"temperature": 0, "logit_bias": {3: 1.0}},
                {"temperature": 0, "min_tokens": 3}, {"temperature": 0, "presence_penalty": 0.5}):
         assert not eligible(seq(**kw)), kw
     assert speculative_fields({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}) == \
@@ -69,6 +70,18 @@ def _run(llm):
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
 
+def _same_logprobs(got, want):
+    """Per token: the chosen token's logprob and the top-3 equal up to float rounding: a drafted token's
+    logprobs come from its chunk's rows (the mixed program), not from a decode step's, so values differ by
+    ~1e-3 here and two near-tied candidates (seen 4e-4 apart) could swap places."""
+    assert len(got) == len(want)
+    for (lp, top), (lp0, top0) in zip(got, want):
+        assert abs(lp - lp0) < 5e-3 and top[0][0] == top0[0][0], (lp, lp0, top, top0)
+        d, d0 = dict(top), dict(top0)
+        assert len(d.keys() & d0.keys()) >= 2 and all(abs(d[t] - d0[t]) < 5e-3 for t in d.keys() & d0.keys()), \
+            (top, top0)
+
+
 def test_same_tokens_with_and_without_drafts():
     plain = LLM(str(smollm2_gguf()), **KW)
     spec = LLM(str(smollm2_gguf()), speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **KW)
@@ -92,6 +105,14 @@ def test_same_tokens_with_and_without_drafts():
     assert one.outputs[0].token_ids == want[2][0] and len(want[2][0]) == 32
     assert st2["spec_accepted_tokens"] - st["spec_accepted_tokens"] >= 8, (st, st2)
     assert st2["num_steps"] - st["num_steps"] < 28
+    # logprobs: a drafting request gets the same tokens and logprobs as without drafts
+    lp_req = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    want_lp = plain.generate(COUNT, lp_req)[0].outputs[0]
+    st = spec.engine.stats()
+    got_lp = spec.generate(COUNT, lp_req)[0].outputs[0]
+    assert spec.engine.stats()["spec_accepted_tokens"] - st["spec_accepted_tokens"] >= 8
+    assert got_lp.token_ids == want_lp.token_ids
+    _same_logprobs(got_lp.logprobs, want_lp.logprobs)
     from jaxserve.server.metrics import Metrics  # /metrics exports the two counters
 
     st = spec.engine.stats()

@@ -55,9 +55,10 @@ class StepResult:
 
     # tokens[i] : list of K sampled tokens (K = decode_steps), empty if the seq did not sample
     tokens: list[list[int]]
-    # logprobs[i][k] = (logprob of sampled token, [(token, logprob) * top_n]) or None when not asked
+    # logprobs[i][k] = (logprob of sampled token, [(token, logprob) * top_n]) or None when not asked;
+    # for a drafted item, one entry per chunk position instead (the pick after it: see verify)
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
     # prompt_logprobs[i] = list over the chunk's tokens (position start+1 ..) or None when not asked
     prompt_logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
-    # verify[i] = the argmax token at each of the chunk's positions (speculative items only), else None
+    # verify[i] = the sampler's pick after each of the chunk's positions (speculative items only), else None
     verify: list[list[int] | None] | None = None

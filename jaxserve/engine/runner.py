@@ -637,7 +637,7 @@ class ModelRunner:
         if not inp.get("want_plp", False):  # prompt log-prob outputs are zeros: never copy them
             out = {k: v for k, v in out.items() if not k.startswith("prompt_")}
         if not inp.get("want_verify", False):
-            out.pop("verify", None)
+            out = {k: v for k, v in out.items() if not k.startswith("verify")}
         for a in jax.tree.leaves(out):
             a.copy_to_host_async()
         for s in sched.scheduled:
@@ -672,6 +672,12 @@ class ModelRunner:
                 prompt_lps.append(None)
             V = self.ecfg.num_speculative_tokens + 1
             verify.append([int(x) for x in out["verify"][i * V:i * V + s.num_new]] if s.draft else None)
+            if s.draft and params.logprobs is not None:  # each pick's logprobs (the drafted rows' own)
+                n, r = params.logprobs, range(i * V, i * V + s.num_new)
+                logprobs[-1] = [(float(out["verify_logprob"][j]),
+                                 [(int(a), float(b)) for a, b in zip(out["verify_top_ids"][j, :n],
+                                                                    out["verify_top_logprobs"][j, :n])])
+                                for j in r]
         return StepResult(tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_lps, verify=verify)
 
     def execute(self, sched: SchedulerOutput) -> StepResult:

@@ -114,6 +114,11 @@ def _logsumexp(x: jax.Array, m: jax.Array) -> jax.Array:
     return m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
 
 
+def row_logsumexp(x: jax.Array) -> jax.Array:
+    """Row log-sum-exp of f32 [S, V], as sample() computes it for the raw logprobs."""
+    return _logsumexp(x, jnp.max(x, axis=-1))
+
+
 # ----------------------------------------------------------------------------- logits processing
 
 def apply_penalties(logits: jax.Array, st: dict, output_counts: jax.Array, prompt_mask: jax.Array) -> jax.Array:

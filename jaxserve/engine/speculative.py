@@ -14,8 +14,8 @@ the probability the model gives it (as rejection sampling with a one-token draft
 text repeats its context (quoting, editing, code, extraction), nothing proposed (a plain decode) where
 it does not.
 
-Penalties, logit bias, a pending min_tokens, logprobs and grammars change the distribution token by
-token (or need each token's own pass): those sequences do not draft.
+Penalties, logit bias, a pending min_tokens and grammars change the distribution token by token (or
+need each token's own pass): those sequences do not draft. Logprobs come from the drafted rows.
 """
 
 from __future__ import annotations
@@ -100,5 +100,5 @@ def eligible(seq) -> bool:
     temperature / top-k / top-p / min-p), and nothing needs its tokens one at a time."""
     p = seq.params
     return (not p.presence_penalty and not p.frequency_penalty
-            and p.repetition_penalty == 1.0 and not p.logit_bias and p.logprobs is None
+            and p.repetition_penalty == 1.0 and not p.logit_bias
             and seq.matcher is None and len(seq.output_token_ids) >= p.min_tokens)

@@ -122,27 +122,43 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     out["prompt_logprob"], out["prompt_top_ids"], out["prompt_top_logprobs"] = jax.lax.cond(
         inp["want_plp"], prompt_lp, none)
     if "verify_idx" in inp:  # speculative decoding: the token sampled at each draft position (those rows only)
-        out["verify"] = jax.lax.cond(inp["want_verify"], lambda: _verify_tokens(cfg, weights, hidden, inp,
-                                                                                 logits_sharding, qmm),
-                                     lambda: jnp.zeros(inp["verify_idx"].shape, jnp.int32))
+        N = inp["verify_idx"].shape[0]
+        none = lambda: (jnp.zeros((N,), jnp.int32), jnp.zeros((N,), jnp.float32),
+                        jnp.zeros((N, num_top), jnp.int32), jnp.zeros((N, num_top), jnp.float32))
+        (out["verify"], out["verify_logprob"], out["verify_top_ids"], out["verify_top_logprobs"]) = jax.lax.cond(
+            inp["want_verify"], lambda: _verify(cfg, weights, hidden, inp, num_top, logits_sharding, qmm), none)
     return state, out
 
 
-def _verify_tokens(cfg, weights, hidden, inp, logits_sharding, qmm):
+def _verify(cfg, weights, hidden, inp, num_top, logits_sharding, qmm):
     """The token the sampler would pick after each drafted row: the same draw (noise keyed by the request's
     seed and the sampled position only, engine/sampler.py) that a plain decode would make there, so a
     draft token equal to it is what decoding without drafts would have produced once the tokens before it
     were (engine/speculative.py). Greedy rows: the argmax. Drafting requests have no penalties, bias,
-    grammar or pending min_tokens, so the sampler's step 2 is skipped."""
+    grammar or pending min_tokens, so the sampler's step 2 is skipped. Also each pick's raw logprob, and
+    the top num_top when a request of the step asked for them."""
     rows = inp["verify_idx"]  # S items x (k + 1) rows
-    logits = tf.logits_from_hidden(cfg, weights, hidden[rows], qmm)
+    N = rows.shape[0]
+    logits = tf.logits_from_hidden(cfg, weights, hidden[rows], qmm).astype(jnp.float32)
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    item = jnp.arange(rows.shape[0]) // (rows.shape[0] // inp["rows"].shape[0])
+    item = jnp.arange(N) // (N // inp["rows"].shape[0])
     st = {k: inp["st"][k][item] for k in ("temperature", "top_p", "top_k", "min_p", "seed")}
-    out = sampler_mod.sample(logits, st, inp["positions"][rows] + 1, None, None, 0, logprobs=False,
-                             penalties=False)
-    return out["tokens"]
+    toks = sampler_mod.sample(logits, st, inp["positions"][rows] + 1, None, None, 0, logprobs=False,
+                              penalties=False)["tokens"]
+
+    # the raw logprob of each pick, as the sampler gives it (a log-sum-exp pass, small next to the LM head)
+    lse = sampler_mod.row_logsumexp(logits)
+    chosen = jnp.take_along_axis(logits, toks[:, None], axis=1)[:, 0] - lse
+    if not num_top:
+        return toks, chosen, jnp.zeros((N, 0), jnp.int32), jnp.zeros((N, 0), jnp.float32)
+
+    def top():
+        vals, ids = sampler_mod.block_top_k(logits, num_top)
+        return ids, vals - lse[:, None]
+
+    none = lambda: (jnp.zeros((N, num_top), jnp.int32), jnp.zeros((N, num_top), jnp.float32))
+    return (toks, chosen, *jax.lax.cond(inp["st"]["want_logprobs"], top, none))
 
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
