@@ -219,20 +219,23 @@ def _lora_modules(spec) -> tuple[tuple[str, str], ...]:
 
 
 def speculative_fields(spec: dict | None) -> dict:
-    """vLLM's speculative_config ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
-    "prompt_lookup_min"}) as EngineConfig fields; other methods (draft models, EAGLE) are refused."""
+    """vLLM's speculative_config as EngineConfig fields: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max", "prompt_lookup_min"} (prompt lookup) or {"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": k} (a smaller model with the same vocabulary proposes; the method may be left
+    out when "model" is given); both take "disable_by_batch_size". Other methods (EAGLE, MTP) are refused."""
     if spec is None:
         return {}
     if not isinstance(spec, dict):
         raise ConfigError(f"speculative_config must be an object, got {type(spec).__name__}")
-    unknown = set(spec) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                           "disable_by_batch_size"}
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+             "model"}
+    unknown = set(spec) - known
     if unknown:
-        raise ConfigError(f"speculative_config: unknown key(s) {sorted(unknown)} (only the ngram method is "
-                          "implemented: method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
-                          "disable_by_batch_size)")
-    if spec.get("method", "ngram") != "ngram":
-        raise ConfigError(f"speculative_config: method {spec['method']!r} is not supported (ngram: prompt lookup)")
+        raise ConfigError(f"speculative_config: unknown key(s) {sorted(unknown)} (known: {', '.join(sorted(known))})")
+    method = spec.get("method", "draft_model" if "model" in spec else "ngram")
+    if method not in ("ngram", "draft_model"):
+        raise ConfigError(f"speculative_config: method {method!r} is not supported (ngram: prompt lookup; "
+                          "draft_model: a smaller model proposes)")
     if "num_speculative_tokens" not in spec:
         raise ConfigError("speculative_config needs num_speculative_tokens")
     out = {k: spec[k] for k in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if k in spec}
@@ -241,6 +244,16 @@ def speculative_fields(spec: dict | None) -> dict:
     for k, v in out.items():
         if type(v) is not int:
             raise ConfigError(f"speculative_config: {k} must be an integer, got {v!r}")
+    if method == "draft_model":
+        if not isinstance(spec.get("model"), str) or not spec["model"]:
+            raise ConfigError("speculative_config: the draft_model method needs \"model\": the draft model's "
+                              "path or hub id")
+        lookup = sorted(k for k in ("prompt_lookup_max", "prompt_lookup_min") if k in spec)
+        if lookup:
+            raise ConfigError(f"speculative_config: {', '.join(lookup)} belong to the ngram method, not draft_model")
+        out["speculative_model"] = spec["model"]
+    elif "model" in spec:
+        raise ConfigError("speculative_config: \"model\" is the draft_model method's (ngram looks up the prompt)")
     return out
 
 
@@ -331,6 +344,10 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     # no drafts while more than this many sequences run (vLLM's disable_by_batch_size); 0: no limit
     speculative_disable_by_batch_size: int = 0
+    # Speculative decoding with a draft model (vLLM's {"method": "draft_model", "model": ...}; engine/
+    # draft_model.py): this smaller model, with the same vocabulary, proposes num_speculative_tokens tokens
+    # by greedy decoding from its own paged K/V cache (the target's block tables). None: prompt lookup.
+    speculative_model: str | None = None
 
     @property
     def lora_slots(self) -> int:
@@ -377,6 +394,8 @@ class EngineConfig:
         if self.speculative_disable_by_batch_size < 0:
             raise ConfigError("speculative disable_by_batch_size must be >= 0, got "
                               f"{self.speculative_disable_by_batch_size}")
+        if self.speculative_model is not None and not self.num_speculative_tokens:
+            raise ConfigError("speculative_model (a draft model) needs num_speculative_tokens >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
                               f"and {self.prompt_lookup_max}")

@@ -42,7 +42,7 @@ def test_eligible_and_config():
         {"num_speculative_tokens": 3, "prompt_lookup_max": 5}
     for bad, match in (({"method": "eagle", "num_speculative_tokens": 3}, "not supported"),
                        ({"method": "ngram"}, "needs num_speculative_tokens"),
-                       ({"num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+                       ({"num_speculative_tokens": 2, "eagle_head": "x"}, "unknown key"),
                        ({"num_speculative_tokens": "2"}, "integer")):
         with pytest.raises(ConfigError, match=match):
             speculative_fields(bad)

@@ -117,6 +117,8 @@ class DataParallelEngine:
             engine_config = EngineConfig.from_dict(engine_config)
         ecfg = engine_config or EngineConfig()
         setup_compilation_cache(ecfg.compile_cache_dir)
+        if ecfg.speculative_model is not None:
+            raise ValueError("speculative decoding with a draft model runs on one device (no data parallelism)")
         t0 = time.perf_counter()
         if isinstance(model, LoadedModel):
             lm = model

@@ -394,13 +394,13 @@ class LLMEngine:
                  yarn_scaling_factor: float | None = None, attention=None,
                  warmup: bool = True, tp: int = 1, devices=None, runner_cls=None):
         from jaxserve.engine.block_manager import BlockManager
-        from jaxserve.engine.runner import ModelRunner, choose_num_blocks, setup_compilation_cache
+        from jaxserve.engine.runner import ModelRunner, choose_num_blocks, kv_bytes_per_block, setup_compilation_cache
         from jaxserve.engine.scheduler import Scheduler
 
         if isinstance(engine_config, dict):
             engine_config = EngineConfig.from_dict(engine_config)
         ecfg = engine_config or EngineConfig()
-        for opt in ("int8_activations", "dense_gemv"):  # before the (long) load, not after it
+        for opt in ("int8_activations", "dense_gemv", "speculative_model"):  # before the (long) load, not after it
             if getattr(ecfg, opt) and tp > 1:
                 raise ValueError(f"{opt} needs a single device per model (tp = 1)")
         setup_compilation_cache(ecfg.compile_cache_dir)
@@ -453,13 +453,23 @@ class LLMEngine:
             del probe, pweights
             log.info("KV sizing probe: %.1fs; %.2f GiB reserved for temporaries", time.perf_counter() - t,
                      reserved / 2**30)
-        num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved)
+        draft = None
+        if ecfg.speculative_model is not None:  # engine/draft_model.py: its cache shares the block count
+            from jaxserve.engine import draft_model
+
+            draft = draft_model.load_draft(ecfg.speculative_model, lm, ecfg, multi_host=runner_cls is not None)
+        num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved,
+                                       extra_per_block=kv_bytes_per_block(draft.cfg, ecfg) if draft else 0)
         # runner_cls: multi-host rank 0 uses a runner that also publishes each step's inputs.
         mm = {"vision": lm.vision} if lm.vision is not None else {}  # text models: the runner as before
         self.runner = (runner_cls or ModelRunner)(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,
                                                   mesh=lm.mesh, rules=lm.rules, **mm)
         self.vision = lm.vision
         lm.weights = self.runner.weights
+        self.drafter = None
+        if draft is not None:
+            d_runner = ModelRunner(draft.cfg, draft_model.draft_engine_config(ecfg), draft.weights, num_blocks)
+            self.drafter = draft_model.DraftProposer(d_runner, ecfg.max_num_seqs, lm.cfg.vocab_size)
         max_cached = None
         if ecfg.prefix_cache_max_tokens is not None:
             max_cached = ecfg.prefix_cache_max_tokens // ecfg.block_size
@@ -474,6 +484,8 @@ class LLMEngine:
         self.num_preemptions = 0
         if warmup:
             self.runner.warmup()
+            if self.drafter is not None:
+                self.drafter.runner.warmup()
 
     # ------------------------------------------------------------------ requests
     @property
@@ -709,6 +721,8 @@ class LLMEngine:
                 self._retire(seq)
         if sched.is_empty:
             return _Launched(sched, None, outputs)
+        if self.drafter is not None:  # the draft model's proposals in place of the scheduler's PENDING
+            self.drafter.fill(sched)
         return _Launched(sched, self.runner.dispatch(sched), outputs)
 
     def step_finish(self, launched: "_Launched") -> list[SeqOutput]:
@@ -744,6 +758,8 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence) -> None:
         self.text_states.pop(seq.seq_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         seqs = self.requests.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             self.requests.pop(seq.request_id, None)

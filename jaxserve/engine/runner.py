@@ -55,11 +55,12 @@ def kv_bytes_per_block(cfg: ModelConfig, ecfg: EngineConfig) -> int:
     return 2 * cfg.num_layers * ecfg.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def choose_num_blocks(cfg: ModelConfig, ecfg: EngineConfig, reserved_bytes: int = 0) -> int:
+def choose_num_blocks(cfg: ModelConfig, ecfg: EngineConfig, reserved_bytes: int = 0, extra_per_block: int = 0) -> int:
     """KV blocks: --num-blocks, else --mem MB, else kv_fraction of the memory left after the weights
     and the largest step's temporaries (GPU: device memory stats; CPU: available RAM, capped at what
-    max_num_seqs full-length sequences could ever use, x2 for the prefix cache)."""
-    per_block = kv_bytes_per_block(cfg, ecfg)
+    max_num_seqs full-length sequences could ever use, x2 for the prefix cache). extra_per_block: bytes
+    another cache of the same block count takes (a draft model's)."""
+    per_block = kv_bytes_per_block(cfg, ecfg) + extra_per_block
     need = ecfg.max_num_seqs * ecfg.max_blocks_per_seq + 1
     if ecfg.num_blocks:
         return int(ecfg.num_blocks)

@@ -182,6 +182,8 @@ class Scheduler:
         k = min(self.cfg.num_speculative_tokens, self._remaining(seq) - 1, self._room(seq) - 1)
         if k <= 0:
             return ()
+        if self.cfg.speculative_model is not None:  # a draft model proposes, on the device, before dispatch
+            return (speculative.PENDING,) * k
         return tuple(speculative.propose(seq.all_token_ids, k, self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min))
 
     def _slots_for(self, seq: Sequence, steps: int) -> int:

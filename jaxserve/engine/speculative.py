@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup (vLLM's "ngram" method; host side, no JAX).
+"""Speculative decoding: prompt lookup (vLLM's "ngram" method; host side, no JAX), the verification both
+methods share, and the drafting pauses. The draft-model method's proposals: engine/draft_model.py.
 
 A sequence whose last tokens (an n-gram, longest first from prompt_lookup_max down to prompt_lookup_min)
 occurred earlier in its prompt or output proposes the k tokens that followed that occurrence. The step
@@ -42,6 +43,11 @@ def propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
             i = int(full[-1] if full.size else hits[0]) + n
             return [int(t) for t in arr[i:i + k]]
     return []
+
+
+# A draft model's tokens are not known while scheduling: the scheduler reserves k positions holding PENDING,
+# and the engine fills them (engine/draft_model.py) before the step is dispatched.
+PENDING = -1
 
 
 # A drafted step leaves the on-device multi-step decode loop (a mixed program and a host round trip per
