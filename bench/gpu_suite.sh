@@ -10,7 +10,7 @@
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
-#                                               kv-fp8-time moe-packed-tests kv-fp8-prof
+#                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -59,6 +59,11 @@ for part in "$@"; do
                  timeout 400 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
                    --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile 16 --json "$OUT/throughput.jsonl" \
                    2>&1 | grep -v "^  run" | tail -4 ;;
+    # Only the engine part of moe-kernels (session 21: the expert kernels against session 15's XLA-path
+    # figures, bs1 80 and 32 sequences 609 tok/s on the H200); needs an H200 (61 GB of bf16 weights)
+    moe-engine) timeout 420 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
+                  --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile 16 --json "$OUT/throughput.jsonl" \
+                  2>&1 | grep -v "^  run" | tail -4 ;;
     # Packed (quantized) MoE experts (session 17; measured on an H100 in session 18): the grouped quantized
     # matmul's tests compiled on the GPU, per layer call at Qwen3-30B-A3B's shape (q4k, q8_0) against XLA's
     # gather + dequantize, then the engine (q4k experts and attention, random codes) on XLA's path and on
