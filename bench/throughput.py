@@ -101,6 +101,10 @@ def main(argv=None):
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="speculative decoding by prompt lookup with K draft tokens (EngineConfig."
                          "num_speculative_tokens); prints how many drafts the model accepted")
+    ap.add_argument("--draft", default=None, metavar="MODEL",
+                    help="with --speculative K: a draft model proposes instead of prompt lookup (EngineConfig."
+                         "speculative_model), e.g. random:llama-3.2-1b (random, nearly every draft refused) or "
+                         "random:<the --config> (the same seed: the target's own weights, every draft kept)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quant", default="none",
                     help="none (dense --dtype weights) or a packed format of random weights (q4k: LM head q6k)")
@@ -198,7 +202,7 @@ def main(argv=None):
                         decode_steps=max(ks), enable_prefix_cache=False, num_blocks=1,
                         int8_activations=args.int8_activations, kv_dtype=args.kv_dtype,
                         lora_modules=tuple((n, "random") for n in lm.lora_names),
-                        num_speculative_tokens=args.speculative)
+                        num_speculative_tokens=args.speculative, speculative_model=args.draft)
     # workloads run one after another: the cache holds the largest one (not max_n sequences of max_len)
     need_blocks = max(n * -(-(i + o + 16) // ecfg.block_size) for n, i, o in wls) + 2
     ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
