@@ -96,7 +96,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (prompt lookup) or '{\"model\": DRAFT, "
                         "\"num_speculative_tokens\": 4}' (a draft model with the same vocabulary; one device); "
-                        "greedy and sampled requests without penalties")
+                        "every request but those with a grammar")
     e.add_argument("--scan-layers", choices=["auto", "on", "off"], default="auto")
     e.add_argument("--async-scheduling", choices=["on", "off"], default="on",
                    help="dispatch the next multi-step decode before reading the current one's tokens")

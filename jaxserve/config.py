@@ -337,7 +337,7 @@ class EngineConfig:
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
     # Speculative decoding by prompt lookup (engine/speculative.py; vLLM's speculative_config
     # {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}): sequences
-    # without penalties, bias or grammar (greedy or sampled) propose up to this many tokens from an
+    # without a grammar (greedy or sampled, penalties and bias too) propose up to this many tokens from an
     # earlier occurrence of their last n-gram. 0: off.
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4

@@ -1,8 +1,8 @@
 """Speculative decoding by prompt lookup (engine/speculative.py): the proposer and the verification on
 their own, then the real SmolLM2 through the engine — with drafts, greedy and seeded sampled requests
-give exactly the tokens they give without (drafts accepted where the text repeats), requests that cannot
-speculate (penalties) and stop strings cutting the text are unchanged, and nothing compiles while
-serving."""
+give exactly the tokens they give without (drafts accepted where the text repeats), so do requests with
+penalties, logit bias and min_tokens (applied at each drafted row as a plain decode applies them), stop
+strings cutting the text leave it unchanged, and nothing compiles while serving."""
 
 import hashlib
 
@@ -37,7 +37,10 @@ def test_eligible_and_config():
     for kw in ({"temperature": 0.7, "frequency_penalty": 0.2}, {"temperature": 0, "repetition_penalty": 1.1},
                {"temperature": 0, "logit_bias": {3: 1.0}},
                {"temperature": 0, "min_tokens": 3}, {"temperature": 0, "presence_penalty": 0.5}):
-        assert not eligible(seq(**kw)), kw
+        assert eligible(seq(**kw)), kw  # applied row by row by the verify
+    constrained = seq(temperature=0)
+    constrained.matcher = object()  # a grammar needs each token on the host
+    assert not eligible(constrained)
     assert speculative_fields({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}) == \
         {"num_speculative_tokens": 3, "prompt_lookup_max": 5}
     for bad, match in (({"method": "eagle", "num_speculative_tokens": 3}, "not supported"),
@@ -54,6 +57,7 @@ def test_eligible_and_config():
 
 KW = dict(max_model_len=512, max_num_seqs=4, prefill_chunk_size=64, seq_buckets=(4,), token_buckets=(64,))
 COUNT = "one two three four five six seven eight nine ten, one two three four five six seven eight nine ten, one"
+HA = "Laugh: ha ha ha ha ha ha ha ha ha ha ha ha ha ha"
 QUOTE = "Copy this line: the quick brown fox jumps over the lazy dog. Again: the quick brown"
 
 
@@ -113,6 +117,30 @@ def test_same_tokens_with_and_without_drafts():
     assert spec.engine.stats()["spec_accepted_tokens"] - st["spec_accepted_tokens"] >= 8
     assert got_lp.token_ids == want_lp.token_ids
     _same_logprobs(got_lp.logprobs, want_lp.logprobs)
+    # penalties, logit bias, min_tokens: each drafted row is sampled as a plain decode would after the same
+    # tokens (penalty counts include the draft before the row; only kept tokens stay counted)
+    eos, seven = spec.engine.tokenizer.eos_token_id, spec.engine.tokenizer.encode(" seven")[0]
+    # "ha" repeated: the penalty a row sees grows with the draft's own "ha"s before it, and ends the run
+    req = SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.2)
+    want_p = plain.generate(HA, req)[0].outputs[0]
+    st = spec.engine.stats()
+    assert spec.generate(HA, req)[0].outputs[0].token_ids == want_p.token_ids
+    assert spec.engine.stats()["spec_accepted_tokens"] - st["spec_accepted_tokens"] >= 8
+    assert want_p.text.count("ha") < 24, want_p.text  # the penalty ended the run
+    for kw in ({"frequency_penalty": 0.3, "presence_penalty": 0.2}, {"repetition_penalty": 1.02},
+               {"logit_bias": {seven: -2.0}},  # counts without "seven", and repeats that
+               {"logit_bias": {eos: 15.0}},  # EOS after "ten" (10 tokens) ...
+               {"logit_bias": {eos: 15.0}, "min_tokens": 12}):  # ... not before 12: at the next "ten"
+        req = SamplingParams(**{"temperature": 0, "max_tokens": 32, **kw})
+        want_p = plain.generate(COUNT, req)[0].outputs[0]
+        st = spec.engine.stats()
+        got_p = spec.generate(COUNT, req)[0].outputs[0]
+        assert got_p.token_ids == want_p.token_ids, kw
+        assert spec.engine.stats()["spec_accepted_tokens"] - st["spec_accepted_tokens"] >= 4, kw
+        if "logit_bias" in kw and eos in kw["logit_bias"]:
+            assert want_p.finish_reason == "stop" and (len(want_p.token_ids) > 12) == ("min_tokens" in kw), want_p
+        if seven in kw.get("logit_bias", {}):
+            assert seven not in want_p.token_ids and len(want_p.token_ids) == 32
     from jaxserve.server.metrics import Metrics  # /metrics exports the two counters
 
     st = spec.engine.stats()

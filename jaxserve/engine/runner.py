@@ -485,6 +485,7 @@ class ModelRunner:
         if self.ecfg.num_speculative_tokens:  # rows whose greedy token verifies a draft (S items x k + 1)
             base["verify_idx"] = np.zeros(S * (self.ecfg.num_speculative_tokens + 1), np.int32)
             base["want_verify"] = np.bool_(False)
+            base["verify_len"] = np.zeros(S, np.int32)  # each drafted item's chunk rows (0: none)
         base["want_plp"] = np.bool_(False)
         if self.vision is not None:  # image features in place of placeholder embeddings (multimodal only)
             base["mm_embeds"] = np.zeros((T, self.cfg.hidden_size), jnp.dtype(self.ecfg.dtype))
@@ -583,11 +584,12 @@ class ModelRunner:
                 for slot, scale in seq.lora_mix:
                     inp["lora"][sl, slot - 1] = scale
             inp["is_prompt"][sl] = pos < P
-            # Output tokens re-fed after a preemption are counted again (their row was reset).
-            inp["count_output"][sl] = (pos >= P) & (pos - P >= self.row_counted[seq.row])
-            done = int(np.sum(pos >= P))
-            if done:
-                self.row_counted[seq.row] = max(self.row_counted[seq.row], int(pos[-1]) - P + 1)
+            # Output tokens re-fed after a preemption are counted again (their row was reset); drafted
+            # tokens are not (the verify counts the ones kept, step.py).
+            fed = pos[:s.num_new - len(s.draft)]
+            inp["count_output"][t:t + len(fed)] = (fed >= P) & (fed - P >= self.row_counted[seq.row])
+            if len(fed) and fed[-1] >= P:
+                self.row_counted[seq.row] = max(self.row_counted[seq.row], int(fed[-1]) - P + 1)
             inp["reset"][i] = s.reset_row
             inp["sample_idx"][i] = t + s.num_new - 1
             inp["sample_pos"][i] = s.start + s.num_new
@@ -595,6 +597,7 @@ class ModelRunner:
                 V = self.ecfg.num_speculative_tokens + 1
                 inp["verify_idx"][i * V:i * V + s.num_new] = np.arange(t, t + s.num_new)
                 inp["want_verify"] = np.bool_(True)
+                inp["verify_len"][i] = s.num_new
             if want_plp:
                 nxt = seq.all_token_ids[s.start + 1:s.start + s.num_new + 1]
                 inp["target_ids"][t:t + len(nxt)] = nxt
@@ -673,6 +676,11 @@ class ModelRunner:
                 prompt_lps.append(None)
             V = self.ecfg.num_speculative_tokens + 1
             verify.append([int(x) for x in out["verify"][i * V:i * V + s.num_new]] if s.draft else None)
+            if s.draft:  # the device counted the kept draft tokens too (step.py: _verify)
+                m = 0
+                while m < len(s.draft) and verify[-1][m] == s.draft[m]:
+                    m += 1
+                self.row_counted[s.seq.row] += m
             if s.draft and params.logprobs is not None:  # each pick's logprobs (the drafted rows' own)
                 n, r = params.logprobs, range(i * V, i * V + s.num_new)
                 logprobs[-1] = [(float(out["verify_logprob"][j]),

@@ -419,7 +419,9 @@ class Scheduler:
             n += 1
         self.spec_proposed += len(draft)
         self.spec_accepted += n
-        return list(draft[:n]) + [argmax[n] if n < len(draft) else bonus]
+        # all agreeing: the pick after the last draft token (sampled with the draft counted by the penalties,
+        # unlike `bonus`, the step's own sample at the chunk's end)
+        return list(draft[:n]) + [argmax[n] if n < len(argmax) else bonus]
 
     @staticmethod
     def _add_prompt_logprobs(seq: Sequence, start: int, plp: list) -> None:

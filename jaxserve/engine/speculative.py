@@ -15,8 +15,10 @@ the probability the model gives it (as rejection sampling with a one-token draft
 text repeats its context (quoting, editing, code, extraction), nothing proposed (a plain decode) where
 it does not.
 
-Penalties, logit bias, a pending min_tokens and grammars change the distribution token by token (or
-need each token's own pass): those sequences do not draft. Logprobs come from the drafted rows.
+Penalties, logit bias and min_tokens apply at each drafted row as a plain decode would apply them after
+the same tokens (the penalty counts include the draft tokens before the row; only the kept ones are
+counted afterwards). Grammars need each token on the host: constrained sequences do not draft. Logprobs
+come from the drafted rows.
 """
 
 from __future__ import annotations
@@ -102,9 +104,7 @@ def may_draft(seq, ahead: int = 0) -> bool:
 
 
 def eligible(seq) -> bool:
-    """Whether the sampler's choice for seq depends on its logits, seed and position only (greedy, or
-    temperature / top-k / top-p / min-p), and nothing needs its tokens one at a time."""
-    p = seq.params
-    return (not p.presence_penalty and not p.frequency_penalty
-            and p.repetition_penalty == 1.0 and not p.logit_bias
-            and seq.matcher is None and len(seq.output_token_ids) >= p.min_tokens)
+    """Whether seq may draft: every request but a constrained one (a grammar needs each token on the host
+    before it masks the next). Penalties, logit bias and min_tokens are applied row by row by the verify,
+    as a plain decode applies them after the same tokens (step.py: _verify)."""
+    return seq.matcher is None

@@ -85,7 +85,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
                                        scan_layers=scan_layers, attention=attention, add_norm=add_norm,
                                        rope_kv=rope_kv, qmm=qmm, moe_impl=moe_impl)
     state = dict(state, k=k, v=v)
-    out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], inp["samples"],
+    counted = inp["samples"] & (inp["verify_len"] == 0) if "verify_len" in inp else inp["samples"]
+    out, state = _sample(cfg, weights, hidden[inp["sample_idx"]], state, inp["rows"], counted,
                          inp["sample_pos"], inp["st"], num_top, logits_sharding, qmm)
     out = {k: v[None] for k, v in out.items()}  # [K=1, S, ...] like the decode program
     # Prompt log-probabilities (score, echo) cost a [T, V] pass: computed only when a request in the
@@ -123,42 +124,74 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
         inp["want_plp"], prompt_lp, none)
     if "verify_idx" in inp:  # speculative decoding: the token sampled at each draft position (those rows only)
         N = inp["verify_idx"].shape[0]
-        none = lambda: (jnp.zeros((N,), jnp.int32), jnp.zeros((N,), jnp.float32),
-                        jnp.zeros((N, num_top), jnp.int32), jnp.zeros((N, num_top), jnp.float32))
-        (out["verify"], out["verify_logprob"], out["verify_top_ids"], out["verify_top_logprobs"]) = jax.lax.cond(
-            inp["want_verify"], lambda: _verify(cfg, weights, hidden, inp, num_top, logits_sharding, qmm), none)
+        none = lambda: ((jnp.zeros((N,), jnp.int32), jnp.zeros((N,), jnp.float32),
+                         jnp.zeros((N, num_top), jnp.int32), jnp.zeros((N, num_top), jnp.float32)),
+                        state["out_counts"])
+        verified, counts = jax.lax.cond(
+            inp["want_verify"], lambda: _verify(cfg, weights, hidden, state, inp, num_top, logits_sharding, qmm), none)
+        (out["verify"], out["verify_logprob"], out["verify_top_ids"], out["verify_top_logprobs"]) = verified
+        state = dict(state, out_counts=counts)
     return state, out
 
 
-def _verify(cfg, weights, hidden, inp, num_top, logits_sharding, qmm):
+def _verify(cfg, weights, hidden, state, inp, num_top, logits_sharding, qmm):
     """The token the sampler would pick after each drafted row: the same draw (noise keyed by the request's
     seed and the sampled position only, engine/sampler.py) that a plain decode would make there, so a
     draft token equal to it is what decoding without drafts would have produced once the tokens before it
-    were (engine/speculative.py). Greedy rows: the argmax. Drafting requests have no penalties, bias,
-    grammar or pending min_tokens, so the sampler's step 2 is skipped. Also each pick's raw logprob, and
-    the top num_top when a request of the step asked for them."""
-    rows = inp["verify_idx"]  # S items x (k + 1) rows
+    were (engine/speculative.py). Row j of an item samples as a plain decode would after the draft's first
+    j tokens: penalties count them as outputs, logit bias applies, EOS stays banned while min_tokens is not
+    reached. Greedy rows: the argmax. Also each pick's raw logprob, and the top num_top when a request of
+    the step asked for them; and the penalty counts with the picks that are kept (the agreeing prefix and the
+    pick after it) added, the drafted tokens fed as inputs not being counted by the step itself."""
+    rows = inp["verify_idx"]  # S items x (k + 1) rows, item-major
     N = rows.shape[0]
+    S = inp["rows"].shape[0]
+    V1 = N // S  # k + 1
     logits = tf.logits_from_hidden(cfg, weights, hidden[rows], qmm).astype(jnp.float32)
     if logits_sharding is not None:
         logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
-    item = jnp.arange(N) // (N // inp["rows"].shape[0])
-    st = {k: inp["st"][k][item] for k in ("temperature", "top_p", "top_k", "min_p", "seed")}
-    toks = sampler_mod.sample(logits, st, inp["positions"][rows] + 1, None, None, 0, logprobs=False,
-                              penalties=False)["tokens"]
+    vocab = logits.shape[1]
+    ln = inp["verify_len"]  # rows of each item's chunk (0: not drafted)
+    j_of = jnp.arange(V1)
+    # the token fed at row j + 1 (the draft's (j+1)-th token), -1 where the chunk has none
+    nxt = jnp.where(j_of[None, 1:] < ln[:, None], inp["token_ids"][rows].reshape(S, V1)[:, 1:], -1)
+    nxt = jnp.concatenate([nxt, jnp.full((S, 1), -1, jnp.int32)], axis=1)  # [S, k + 1]
+    pos = (inp["positions"][rows] + 1).reshape(S, V1)
+    item_rows = inp["rows"]
+    counts0 = state["out_counts"][item_rows]  # [S, V]
+    prompt_mask = state["prompt_mask"][item_rows]
+
+    def one(counts, xs):
+        x, j, d, p = xs
+        st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > j)
+        tok = sampler_mod.sample(x, st, p, counts, prompt_mask, 0, logprobs=False)["tokens"]
+        # row j + 1 follows d: count it (an item whose chunk ends here adds nothing)
+        counts = counts.at[jnp.arange(S), jnp.where(d >= 0, d, vocab)].add(1, mode="drop")
+        return counts, tok
+
+    _, picks = jax.lax.scan(one, counts0, (logits.reshape(S, V1, vocab).transpose(1, 0, 2), j_of, nxt.T, pos.T))
+    picks = picks.T  # [S, k + 1]
+    # kept: the agreeing prefix of the draft (m tokens) and the pick after it; count those m + 1 picks
+    agree = jnp.cumprod((picks == nxt).astype(jnp.int32), axis=1)
+    m = jnp.sum(agree, axis=1)
+    keep = (j_of[None, :] <= m[:, None]) & (ln[:, None] > 0)
+    R = state["out_counts"].shape[0] - 1
+    tgt_rows = jnp.where(keep, item_rows[:, None], R)
+    counts = state["out_counts"].at[tgt_rows, picks].add(1, mode="drop")
+    toks = picks.reshape(N)
 
     # the raw logprob of each pick, as the sampler gives it (a log-sum-exp pass, small next to the LM head)
     lse = sampler_mod.row_logsumexp(logits)
     chosen = jnp.take_along_axis(logits, toks[:, None], axis=1)[:, 0] - lse
     if not num_top:
-        return toks, chosen, jnp.zeros((N, 0), jnp.int32), jnp.zeros((N, 0), jnp.float32)
+        return (toks, chosen, jnp.zeros((N, 0), jnp.int32), jnp.zeros((N, 0), jnp.float32)), counts
 
     def top():
         vals, ids = sampler_mod.block_top_k(logits, num_top)
         return ids, vals - lse[:, None]
 
     none = lambda: (jnp.zeros((N, num_top), jnp.int32), jnp.zeros((N, num_top), jnp.float32))
-    return (toks, chosen, *jax.lax.cond(inp["st"]["want_logprobs"], top, none))
+    return (toks, chosen, *jax.lax.cond(inp["st"]["want_logprobs"], top, none)), counts
 
 
 def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, attention, num_top,
