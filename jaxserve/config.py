@@ -335,10 +335,10 @@ class EngineConfig:
     # partials to the RoPE/norm kernels and fuse the MLP activation into the down matmul. None: off.
     dense_gemv: bool | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
-    # Speculative decoding by prompt lookup (engine/speculative.py; vLLM's speculative_config
-    # {"method": "ngram", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}): sequences
-    # without a grammar (greedy or sampled, penalties and bias too) propose up to this many tokens from an
-    # earlier occurrence of their last n-gram. 0: off.
+    # Speculative decoding (engine/speculative.py; vLLM's speculative_config {"method": "ngram",
+    # "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}): sequences without a grammar
+    # (greedy or sampled, penalties and bias too) propose up to this many tokens, from an earlier occurrence
+    # of their last n-gram or, with speculative_model, from the draft model. 0: off.
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2

@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import step as step_mod
 from jaxserve.engine.batch import SchedulerOutput, StepResult
 from jaxserve.engine.sampling_tensors import build_sampling_tensors
+from jaxserve.engine.speculative import agreeing
 from jaxserve.kernels.paged_attention import reference as attn_ref
 from jaxserve.models import transformer as tf
 from jaxserve.models.weights import KV_CACHE_AXES, ROW_STATE_AXES
@@ -677,10 +678,7 @@ class ModelRunner:
             V = self.ecfg.num_speculative_tokens + 1
             verify.append([int(x) for x in out["verify"][i * V:i * V + s.num_new]] if s.draft else None)
             if s.draft:  # the device counted the kept draft tokens too (step.py: _verify)
-                m = 0
-                while m < len(s.draft) and verify[-1][m] == s.draft[m]:
-                    m += 1
-                self.row_counted[s.seq.row] += m
+                self.row_counted[s.seq.row] += agreeing(s.draft, verify[-1])
             if s.draft and params.logprobs is not None:  # each pick's logprobs (the drafted rows' own)
                 n, r = params.logprobs, range(i * V, i * V + s.num_new)
                 logprobs[-1] = [(float(out["verify_logprob"][j]),

@@ -414,9 +414,7 @@ class Scheduler:
     def _verified(self, draft: tuple[int, ...], argmax: list[int], bonus: int) -> list[int]:
         """A draft's tokens the model agrees with (its greedy token at each position), then the model's own
         token at the first disagreement, or the token sampled after the chunk when all agreed."""
-        n = 0
-        while n < len(draft) and argmax[n] == draft[n]:
-            n += 1
+        n = speculative.agreeing(draft, argmax)
         self.spec_proposed += len(draft)
         self.spec_accepted += n
         # all agreeing: the pick after the last draft token (sampled with the draft counted by the penalties,

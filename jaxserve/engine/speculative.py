@@ -47,6 +47,15 @@ def propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     return []
 
 
+def agreeing(draft, picks) -> int:
+    """How many of the draft's tokens, from the first, equal the model's picks at their positions (the kept
+    prefix; the scheduler keeps them, the runner counts them for the penalties)."""
+    n = 0
+    while n < len(draft) and picks[n] == draft[n]:
+        n += 1
+    return n
+
+
 # A draft model's tokens are not known while scheduling: the scheduler reserves k positions holding PENDING,
 # and the engine fills them (engine/draft_model.py) before the step is dispatched.
 PENDING = -1
