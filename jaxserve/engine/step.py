@@ -158,19 +158,33 @@ def _verify(cfg, weights, hidden, state, inp, num_top, logits_sharding, qmm):
     nxt = jnp.concatenate([nxt, jnp.full((S, 1), -1, jnp.int32)], axis=1)  # [S, k + 1]
     pos = (inp["positions"][rows] + 1).reshape(S, V1)
     item_rows = inp["rows"]
-    counts0 = state["out_counts"][item_rows]  # [S, V]
-    prompt_mask = state["prompt_mask"][item_rows]
+    st = inp["st"]
 
-    def one(counts, xs):
-        x, j, d, p = xs
-        st = dict(inp["st"], suppress_eos=inp["st"]["min_tokens_left"] > j)
-        tok = sampler_mod.sample(x, st, p, counts, prompt_mask, 0, logprobs=False)["tokens"]
-        # row j + 1 follows d: count it (an item whose chunk ends here adds nothing)
-        counts = counts.at[jnp.arange(S), jnp.where(d >= 0, d, vocab)].add(1, mode="drop")
-        return counts, tok
+    def row_by_row():  # each row samples after the draft tokens before it, counted as outputs
+        prompt_mask = state["prompt_mask"][item_rows]
 
-    _, picks = jax.lax.scan(one, counts0, (logits.reshape(S, V1, vocab).transpose(1, 0, 2), j_of, nxt.T, pos.T))
-    picks = picks.T  # [S, k + 1]
+        def one(counts, xs):
+            x, j, d, p = xs
+            tok = sampler_mod.sample(x, dict(st, suppress_eos=st["min_tokens_left"] > j), p, counts, prompt_mask,
+                                     0, logprobs=False)["tokens"]
+            # row j + 1 follows d: count it (an item whose chunk ends here adds nothing)
+            counts = counts.at[jnp.arange(S), jnp.where(d >= 0, d, vocab)].add(1, mode="drop")
+            return counts, tok
+
+        counts0 = state["out_counts"][item_rows]  # [S, V]
+        xs = (logits.reshape(S, V1, vocab).transpose(1, 0, 2), j_of, nxt.T, pos.T)
+        return jax.lax.scan(one, counts0, xs)[1].T
+
+    def all_rows():  # no drafted item has penalties, bias or pending min_tokens: one pass over the N rows
+        item = jnp.arange(N) // V1
+        st_n = {k: st[k][item] for k in ("temperature", "top_p", "top_k", "min_p", "seed")}
+        return sampler_mod.sample(logits, st_n, pos.reshape(N), None, None, 0, logprobs=False,
+                                  penalties=False)["tokens"].reshape(S, V1)
+
+    drafted = ln > 0
+    plain = ~jnp.any(drafted & ((st["repetition"] != 1.0) | (st["frequency"] != 0.0) | (st["presence"] != 0.0)
+                                | jnp.any(st["bias_ids"] >= 0, axis=1) | (st["min_tokens_left"] > 0)))
+    picks = jax.lax.cond(plain, all_rows, row_by_row)  # [S, k + 1]
     # kept: the agreeing prefix of the draft (m tokens) and the pick after it; count those m + 1 picks
     agree = jnp.cumprod((picks == nxt).astype(jnp.int32), axis=1)
     m = jnp.sum(agree, axis=1)
