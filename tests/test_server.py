@@ -603,6 +603,15 @@ def _streamed_calls(url: str, body: dict) -> tuple[list[dict], list[dict]]:
     return deltas, [tc for d in deltas for tc in d["delta"].get("tool_calls", [])]
 
 
+def _merge_calls(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas joined by index as OpenAI clients join them ({"name", "arguments"} per call)."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+        c["arguments"] += d["function"].get("arguments") or ""
+    return [calls[k] for k in sorted(calls)]
+
+
 def test_tool_calling_end_to_end(url, client):
     """Tools through the real server and model: the reply's Hermes-format call becomes OpenAI
     tool_calls (finish_reason 'tool_calls'), streamed as tool-call deltas without the markup, and the
@@ -617,11 +626,17 @@ def test_tool_calling_end_to_end(url, client):
     (call,) = ch["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    # streamed: the same call as one tool-call delta, no content (the markup is held back)
+    # streamed: the call begins (id, name) before the reply ends and its arguments come in pieces that join
+    # into the same call; no content (the markup is held back)
     deltas, calls = _streamed_calls(url, dict(body, stream=True))
-    assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == \
-        [(0, "get_weather", {"city": "Paris"})]
-    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in _merge_calls(calls)] == [("get_weather", {"city": "Paris"})]
+    assert len(calls) > 2 and deltas[-1]["finish_reason"] == "tool_calls" and "tool_calls" not in deltas[-1]["delta"]
+    # the openai client's stream helper joins the pieces and parses the arguments
+    with client.chat.completions.stream(model="smol", messages=_weather_history("Paris"), tools=[WEATHER_TOOL],
+                                        temperature=0, max_tokens=40) as stream:
+        final = stream.get_final_completion()
+    (tc,) = final.choices[0].message.tool_calls
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
     # the openai client parses it; the call and its result appended, the model answers in text
     c = client.chat.completions.create(model="smol", messages=_weather_history("Paris"), tools=[WEATHER_TOOL],
                                        temperature=0, max_tokens=40)
@@ -701,7 +716,7 @@ def test_structured_outputs_end_to_end(url, client):
             assert call["function"]["name"] == "get_weather"
             jsonschema.validate(json.loads(call["function"]["arguments"]), params)
         deltas, calls = _streamed_calls(url, dict(body, tool_choice=tool_choice, stream=True))
-        assert [json.loads(tc["function"]["arguments"]) for tc in calls] == \
+        assert [json.loads(c["arguments"]) for c in _merge_calls(calls)] == \
             [json.loads(tc["function"]["arguments"]) for tc in ch["message"]["tool_calls"]]
         assert deltas[-1]["finish_reason"] == "tool_calls"
     # a forced call cut by max_tokens says "length" (its arguments are incomplete), plain and streamed
@@ -711,7 +726,8 @@ def test_structured_outputs_end_to_end(url, client):
     (call,) = r["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and call["function"]["arguments"].startswith("{")
     deltas, calls = _streamed_calls(url, dict(named, stream=True))
-    assert deltas[-1]["finish_reason"] == "length" and len(calls) == 1
+    (merged,) = _merge_calls(calls)
+    assert deltas[-1]["finish_reason"] == "length" and merged["arguments"] == call["function"]["arguments"]
     # beside constrained requests, an unconstrained greedy reply is the one it gets alone
     plain = chat_body("Write one sentence about bread.", temperature=0, max_tokens=24)
     status, alone = post_json(f"{url}/v1/chat/completions", plain)

@@ -49,7 +49,7 @@ def _args(call):
     return json.loads(call["function"]["arguments"])
 
 
-@pytest.mark.parametrize("text,content,args", [
+FORMATS = [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None, [{"city": "Paris"}]),
     ('Let me look.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
      '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>', "Let me look.",
@@ -60,7 +60,10 @@ def _args(call):
     ('{"name": "get_weather", "parameters": {"city": "A"}}; {"name": "get_weather", "parameters": {"city": "B"}}',
      None, [{"city": "A"}, {"city": "B"}]),
     ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}]', None, [{"city": "Nice"}]),  # Mistral
-])
+]
+
+
+@pytest.mark.parametrize("text,content,args", FORMATS)
 def test_parse_formats(text, content, args):
     got_content, calls = tools.parse(text, FUNCS)
     assert got_content == content
@@ -157,3 +160,84 @@ def test_parse_forced_calls():
     assert h.feed('{"city": ') == "" and h.feed('"Lima"}') == ""
     rest, [c] = h.finish(FUNCS)
     assert rest == "" and _args(c) == {"city": "Lima"}
+
+
+def _merge(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas joined as OpenAI clients join them; each call's first delta carries its id, type and
+    name, the later ones only argument pieces."""
+    calls = {}
+    for d in deltas:
+        k = d["index"]
+        if k not in calls:
+            assert d["id"].startswith("call_") and d["type"] == "function" and d["function"]["name"], d
+            calls[k] = {"id": d["id"], "name": d["function"]["name"], "arguments": d["function"]["arguments"]}
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+            calls[k]["arguments"] += d["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[k] for k in sorted(calls)]
+
+
+def _stream_deltas(holder, text, size, funcs=FUNCS):
+    """(content, tool-call deltas sent while generating, deltas sent at the end) for text fed in pieces."""
+    content, during = "", []
+    for i in range(0, len(text), size):
+        content += holder.feed(text[i:i + size])
+        during += holder.call_deltas(funcs)
+    rest, end = holder.finish(funcs)
+    return content + rest, during, end
+
+
+@pytest.mark.parametrize("text,content,args", FORMATS)
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streamed_call_deltas(text, content, args, size):
+    """Streamed, a call begins (id, type, name) as soon as its name is complete and its arguments stream
+    piece by piece as written: joined, the pieces are the arguments `parse` finds; the markup never
+    streams; content is parse's content."""
+    got, during, end = _stream_deltas(tools.StreamHolder(), text, size)
+    assert got.strip() == (content or "")
+    calls = _merge(during + end)
+    assert [json.loads(c["arguments"]) for c in calls] == args and {c["name"] for c in calls} == {"get_weather"}
+    for d in during + end:
+        piece = d["function"]["arguments"]
+        assert not any(m in piece for m in ("<tool", "</", "[TOOL", "python_tag")), piece
+    if size < len(text) and any(c["arguments"].startswith("{") for c in calls):
+        # an object's arguments began streaming before the reply ended
+        assert any(d["function"]["arguments"] for d in during)
+
+
+def test_streamed_calls_edge_cases():
+    # arguments written as a JSON string come whole once the call is complete
+    text = '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'
+    _, during, end = _stream_deltas(tools.StreamHolder(), text, 2)
+    assert during == [] and [json.loads(c["arguments"]) for c in _merge(end)] == [{"city": "Rome"}]
+    # an undeclared function never begins: the reply is text, as parse says
+    text = '<tool_call>{"name": "rm_rf", "arguments": {"path": "/"}}</tool_call>'
+    got, during, end = _stream_deltas(tools.StreamHolder(), text, 2)
+    assert got == text and during == end == []
+    # parallel_tool_calls false: only the first call
+    two = FORMATS[5][0]
+    _, during, end = _stream_deltas(tools.StreamHolder(max_calls=1), two, 4)
+    assert [json.loads(c["arguments"]) for c in _merge(during + end)] == [{"city": "A"}]
+    # a block whose JSON breaks after its call began: the arguments sent are what was written, no markup
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    got, during, end = _stream_deltas(tools.StreamHolder(), text, 2)
+    (call,) = _merge(during + end)
+    assert got == "" and call["arguments"].strip() == '{"city":'
+    # cut by max_tokens inside the arguments: the pieces so far
+    _, during, end = _stream_deltas(tools.StreamHolder(), '{"name": "get_weather", "parameters": {"city": "Li', 5)
+    assert _merge(during + end)[0]["arguments"] == '{"city": "Li'
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_streamed_forced_calls(size):
+    """Forced calls stream the same way: a named function's whole reply is its arguments; "required"
+    replies are a JSON list of calls."""
+    _, during, end = _stream_deltas(tools.ForcedCallHolder("get_weather"), ' {"city": "Lima"}', size)
+    (call,) = _merge(during + end)
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Lima"}
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    got, during, end = _stream_deltas(tools.ForcedCallHolder("required"), text, size)
+    assert got == "" and [json.loads(c["arguments"]) for c in _merge(during + end)] == [{"city": "Oslo"}, {"city": "Rome"}]
+    _, during, end = _stream_deltas(tools.ForcedCallHolder("required", max_calls=1), text, size)
+    assert [json.loads(c["arguments"]) for c in _merge(during + end)] == [{"city": "Oslo"}]

@@ -88,8 +88,9 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
     w = SSEWriter(request)
     finished: set[int] = set()
     # with tools: content is streamed until a call may have begun (server/tools.StreamHolder)
-    # a forced call (tool_choice "required" or named) streams no content: its calls come at the end
-    holders = {c.index: tools.ForcedCallHolder(forced) if forced else tools.StreamHolder()
+    # a forced call (tool_choice "required" or named) streams no content; calls stream as they are written
+    max_calls = 1 if one_call else None
+    holders = {c.index: tools.ForcedCallHolder(forced, max_calls) if forced else tools.StreamHolder(max_calls)
                for c in gen.choices} if funcs else {}
     # with a reasoning parser: the thinking streams as reasoning_content, the rest as content
     splitters = {c.index: reasoning.ReasoningSplitter(parser) for c in gen.choices} if parser else {}
@@ -107,23 +108,23 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
             if parser:
                 thought, text = splitters[idx].feed(text, final=u.finished)
             text = holders[idx].feed(text) if funcs else text
-            if not (text or thought or lp or u.finished):
+            calls = holders[idx].call_deltas(funcs) if funcs else []
+            if u.finished and funcs:
+                rest, more = holders[idx].finish(funcs)
+                text, calls = (text or "") + rest, calls + more
+            if not (text or thought or lp or calls or u.finished):
                 continue
             fin = u.choice.finish_reason if u.finished else None
-            calls = []
-            if u.finished and funcs:
-                rest, calls = holders[idx].finish(funcs)
-                text = (text or "") + rest
-                calls = calls[:1] if one_call else calls
             if u.finished:
                 finished.add(idx)
-            if not calls:
-                chunks.append(chunk([choice(idx, delta(text, thought), lp, fin)]))
-                continue
-            if text or thought or lp:
-                chunks.append(chunk([choice(idx, delta(text, thought), lp)]))
-            chunks.append(chunk([choice(idx, {"tool_calls": [dict(c, index=k) for k, c in enumerate(calls)]})]))
-            chunks.append(chunk([choice(idx, {}, None, "length" if fin == "length" else "tool_calls")]))
+                if funcs and holders[idx].calls.made_calls and fin != "length":
+                    fin = "tool_calls"  # a call cut off by max_tokens says "length": its arguments are incomplete
+            if text or thought or lp or (fin and not calls):
+                chunks.append(chunk([choice(idx, delta(text, thought), lp, None if calls else fin)]))
+            if calls:
+                chunks.append(chunk([choice(idx, {"tool_calls": calls})]))
+                if fin:
+                    chunks.append(chunk([choice(idx, {}, None, fin)]))
         await w.send(chunks)
 
     try:

@@ -15,8 +15,9 @@ tuned on. Replies are parsed in the three formats open models emit:
 * Mistral: `[TOOL_CALLS]` followed by a JSON list of such objects.
 
 A call counts only if its name is one of the declared functions and its arguments are a JSON object;
-anything else stays text. In a stream, text that may begin a call is held back until it is known
-(`StreamHolder`), so a client sees either content deltas or tool-call deltas, never the raw markup.
+anything else stays text. In a stream, text that may begin a call is held back (`StreamHolder`), so a
+client sees content deltas and tool-call deltas, never the raw markup; a call's arguments stream piece
+by piece as they are written (`_CallStream`).
 """
 
 from __future__ import annotations
@@ -136,22 +137,6 @@ def _complete_prefix(text: str) -> list:
     return out
 
 
-class ForcedCallHolder:
-    """StreamHolder's interface for a forced call: nothing is streamed as content, the calls come at
-    the end."""
-
-    def __init__(self, forced: str):
-        self.forced, self.text = forced, ""
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        return ""
-
-    def finish(self, funcs: list[dict]) -> tuple[str, list[dict]]:
-        calls = parse_forced(self.text, self.forced)
-        return ("" if calls else self.text), calls  # no call at all (cut short): the text as content
-
-
 def template_tools(funcs: list[dict]) -> list[dict]:
     """The tools as chat templates receive them (OpenAI's shape)."""
     return [{"type": "function", "function": f} for f in funcs]
@@ -235,13 +220,211 @@ def _could_start_call(s: str) -> bool:
     return any(m.startswith(s[:len(m)]) for m in (MISTRAL, PYTHON_TAG))
 
 
+class _CallStream:
+    """Tool-call deltas as a reply is generated (OpenAI's streaming shape): a call's id, type and name
+    once its name is complete and declared, then its arguments object's text piece by piece, as the model
+    writes it (so the pieces join into the call's arguments). Arguments given as a JSON string, or before the
+    name, come whole once the call is complete. While no call has begun, `finish` is `parse`'s answer;
+    once one has been sent the reply is calls: a later block that is not a valid call is dropped."""
+
+    def __init__(self, forced: str | None, max_calls: int | None):
+        self.forced, self.max_calls = forced, max_calls
+        self.sent: list[int] = []  # characters of each begun call's arguments already sent
+
+    def _scan(self, text: str) -> list[tuple]:
+        if self.forced and self.forced != "required":  # the whole reply is the named function's arguments
+            i = _skip_ws(text, 0)
+            end = _end_of_value(text, i)
+            return [(i, self.forced, (i, len(text) if end is None else end) if i < len(text) else None, None)]
+        return _scan_calls(text)[:self.max_calls]
+
+    def deltas(self, text: str, funcs: list[dict]) -> list[dict]:
+        names, out = {f["name"] for f in funcs}, []
+        for k, (_, name, args, _end) in enumerate(self._scan(text)):
+            if k == len(self.sent):  # not begun: begin it once its name is known and its arguments an object
+                if name not in names or args is None or text[args[0]] != "{":
+                    break
+                out.append(dict(_new_call(name, ""), index=k))
+                self.sent.append(0)
+            piece = self._next_piece(k, text, args)
+            if piece:
+                out.append({"index": k, "function": {"arguments": piece}})
+        return out
+
+    def _next_piece(self, k: int, text: str, args: tuple) -> str:
+        raw = text[args[0]:args[1]]
+        piece, self.sent[k] = raw[self.sent[k]:], len(raw)
+        return piece
+
+    def finish(self, text: str, funcs: list[dict]) -> tuple[str | None, list[dict]]:
+        """(the reply as content when it holds no call, the remaining deltas)."""
+        if not self.sent:
+            if self.forced:
+                calls = parse_forced(text, self.forced)
+                content = None if calls else text  # no call at all (cut short): the text as content
+            else:
+                content, calls = parse(text, funcs)
+            calls = calls[:self.max_calls]
+            self.sent = [0] * len(calls)
+            return (content if not calls else None), [dict(c, index=k) for k, c in enumerate(calls)]
+        names, out = {f["name"] for f in funcs}, []
+        for k, (start, name, args, end) in enumerate(self._scan(text)):
+            if k < len(self.sent):  # begun: the rest of its arguments (cut short: incomplete, as OpenAI's)
+                piece = self._next_piece(k, text, args)
+                if piece:
+                    out.append({"index": k, "function": {"arguments": piece}})
+                continue
+            call = _call(_json(text[start:end]), names) if end is not None else None
+            if call is None:
+                break
+            out.append(dict(call, index=k))
+            self.sent.append(0)
+        return None, out
+
+    @property
+    def made_calls(self) -> bool:
+        return bool(self.sent)
+
+
+def _skip_ws(s: str, i: int, chars: str = " \t\r\n") -> int:
+    while i < len(s) and s[i] in chars:
+        i += 1
+    return i
+
+
+def _end_of_string(s: str, i: int) -> int | None:
+    """The index after the JSON string starting at s[i] == '"'; None if s ends inside it."""
+    i += 1
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2
+        elif s[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    return None
+
+
+def _end_of_value(s: str, i: int) -> int | None:
+    """The index after the JSON value starting at s[i]; None if s ends inside it. Not a validator:
+    json.loads judges the whole value later."""
+    if i >= len(s):
+        return None
+    if s[i] == '"':
+        return _end_of_string(s, i)
+    if s[i] in "{[":
+        depth = 0
+        while i < len(s):
+            if s[i] == '"':
+                j = _end_of_string(s, i)
+                if j is None:
+                    return None
+                i = j
+                continue
+            if s[i] in "{[":
+                depth += 1
+            elif s[i] in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return None
+    j = i
+    while j < len(s) and s[j] not in ",}] \t\r\n":
+        j += 1
+    return j if j < len(s) else None
+
+
+def _scan_call(s: str, i: int) -> tuple:
+    """The call object starting at s[i] == '{', as far as s goes: (i, name, (args start, args stop), end);
+    name None until its string is complete, args None until its value begins (stop: the value's end, or
+    len(s) while it is open), end None while the object is open (or for good, when it is not JSON)."""
+    start, name, args = i, None, None
+    i += 1
+    while True:
+        i = _skip_ws(s, i, " \t\r\n,")
+        if i >= len(s) or s[i] != '"':
+            return start, name, args, (i + 1 if i < len(s) and s[i] == "}" else None)
+        k = _end_of_string(s, i)
+        key = _json(s[i:k]) if k else None
+        i = _skip_ws(s, k) if k else len(s)
+        if i >= len(s) or s[i] != ":":
+            return start, name, args, None
+        i = _skip_ws(s, i + 1)
+        end = _end_of_value(s, i)
+        if key in ("arguments", "parameters") and args is None and i < len(s):
+            args = (i, len(s) if end is None else end)
+        elif key == "name" and end is not None:
+            name = _json(s[i:end])
+        if end is None:
+            return start, name, args, None
+        i = end
+
+
+def _before_partial(text: str, marker: str) -> int:
+    """len(text) less a suffix that could be the beginning of marker."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+def _scan_calls(text: str) -> list[tuple]:
+    """The call objects of a reply in any of `parse`'s formats, the last one possibly still open."""
+    out = []
+    if HERMES_OPEN in text:
+        i = text.find(HERMES_OPEN)
+        while i >= 0:
+            j = _skip_ws(text, i + len(HERMES_OPEN))
+            if j >= len(text) or text[j] != "{":
+                break
+            close = text.find(HERMES_CLOSE, j)
+            out.append(_scan_call(text[:close if close >= 0 else _before_partial(text, HERMES_CLOSE)], j))
+            i = text.find(HERMES_OPEN, j)
+        return out
+    i = _skip_ws(text, 0)
+    for marker in (MISTRAL, PYTHON_TAG):
+        if text.startswith(marker, i):
+            i = _skip_ws(text, i + len(marker))
+    if text.startswith("[", i):
+        i += 1
+    while True:
+        i = _skip_ws(text, i, " \t\r\n,;")
+        if i >= len(text) or text[i] != "{":
+            return out
+        out.append(_scan_call(text, i))
+        if out[-1][3] is None:
+            return out
+        i = out[-1][3]
+
+
+class ForcedCallHolder:
+    """StreamHolder's interface for a forced call: nothing is streamed as content, the call(s) as they
+    are generated."""
+
+    def __init__(self, forced: str, max_calls: int | None = None):
+        self.text, self.calls = "", _CallStream(forced, max_calls)
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        return ""
+
+    def call_deltas(self, funcs: list[dict]) -> list[dict]:
+        return self.calls.deltas(self.text, funcs)
+
+    def finish(self, funcs: list[dict]) -> tuple[str, list[dict]]:
+        content, deltas = self.calls.finish(self.text, funcs)
+        return content or "", deltas
+
+
 class StreamHolder:
     """Streams content while it cannot be the start of a tool call; holds the rest for `parse`."""
 
-    def __init__(self):
+    def __init__(self, max_calls: int | None = None):
         self.text = ""  # everything generated
         self.sent = 0  # characters already sent as content
-        self.holding = False  # a call may have started: nothing more is streamed
+        self.holding = False  # a call may have started: no more content is streamed
+        self.calls = _CallStream(None, max_calls)
 
     def feed(self, delta: str) -> str:
         """The next content to stream (possibly empty)."""
@@ -262,22 +445,22 @@ class StreamHolder:
             out, self.sent = self.text[self.sent:i], i
             return out
         # keep back a suffix that could be the beginning of "<tool_call>"
-        end = len(self.text)
-        for k in range(min(len(HERMES_OPEN) - 1, end - self.sent), 0, -1):
-            if HERMES_OPEN.startswith(self.text[end - k:]):
-                end -= k
-                break
+        end = max(self.sent, _before_partial(self.text, HERMES_OPEN))
         out, self.sent = self.text[self.sent:end], end
         return out
 
+    def call_deltas(self, funcs: list[dict]) -> list[dict]:
+        """The tool-call deltas (OpenAI's shape, with index) generated since the last call."""
+        return self.calls.deltas(self.text, funcs) if self.holding else []
+
     def finish(self, funcs: list[dict]) -> tuple[str, list[dict]]:
-        """(content not yet streamed, tool calls) once the reply is complete."""
+        """(content not yet streamed, the last tool-call deltas) once the reply is complete."""
         if self.holding:
-            _, calls = parse(self.text, funcs)
-            if calls:
+            _, deltas = self.calls.finish(self.text, funcs)
+            if self.calls.made_calls:
                 i = self.text.find(HERMES_OPEN)
                 rest = self.text[self.sent:i] if i >= self.sent else ""
                 self.sent = len(self.text)
-                return rest, calls
+                return rest, deltas
         rest, self.sent = self.text[self.sent:], len(self.text)
         return rest, []
