@@ -703,3 +703,11 @@ def test_schedule_ahead_only_when_nothing_needs_the_host():
     step(sched, runner)
     out = sched.schedule()
     assert out.decode_steps == 4 and sched.schedule_ahead(out) is None
+
+
+def test_sequence_token_slice():
+    seq = Sequence(request_id="r", prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(),
+                   output_token_ids=[5, 6, 7])
+    for a in range(8):
+        for b in range(a, 10):
+            assert seq.token_slice(a, b) == seq.all_token_ids[a:b], (a, b)

@@ -59,15 +59,16 @@ class DraftProposer:
         proxies = []
         for s in items:
             seq = s.seq
-            # the draft model's view: every known token is "prompt"; greedy, no penalties, no logprobs
-            proxies.append(Sequence(request_id=seq.request_id, prompt_token_ids=seq.all_token_ids, params=_GREEDY,
-                                    block_table=seq.block_table, row=seq.row,
-                                    num_computed_tokens=min(self._known(seq), s.start)))
+            # the draft model's view: the same tokens (the prompt shared, the outputs copied: drafts are
+            # appended to them), greedy, no penalties, no logprobs
+            proxies.append(Sequence(request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, params=_GREEDY,
+                                    output_token_ids=list(seq.output_token_ids), block_table=seq.block_table,
+                                    row=seq.row, num_computed_tokens=min(self._known(seq), s.start)))
         first = self._catch_up(proxies)
         drafts = [[t] for t in first]
         K = max(len(s.draft) for s in items)
         for p, t in zip(proxies, first):  # decode from the first draft token on
-            p.output_token_ids = [t]
+            p.output_token_ids.append(t)
         done = 1
         while done < K:
             steps = min(self.max_steps, K - done)

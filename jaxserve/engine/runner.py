@@ -575,7 +575,7 @@ class ModelRunner:
             offsets.append(t)
             if s.reset_row:
                 self.row_counted[seq.row] = 0
-            toks = seq.all_token_ids[s.start:s.start + s.num_new - len(s.draft)] + list(s.draft)
+            toks = seq.token_slice(s.start, s.start + s.num_new - len(s.draft)) + list(s.draft)
             pos = np.arange(s.start, s.start + s.num_new)
             sl = slice(t, t + s.num_new)
             inp["token_ids"][sl] = toks
@@ -600,7 +600,7 @@ class ModelRunner:
                 inp["want_verify"] = np.bool_(True)
                 inp["verify_len"][i] = s.num_new
             if want_plp:
-                nxt = seq.all_token_ids[s.start + 1:s.start + s.num_new + 1]
+                nxt = seq.token_slice(s.start + 1, s.start + s.num_new + 1)
                 inp["target_ids"][t:t + len(nxt)] = nxt
             if seq.mm is not None:
                 self._put_image_rows(inp, seq, s.start, s.num_new, t)

@@ -72,6 +72,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """all_token_ids[a:b] (0 <= a <= b) without building the whole list (a long context's step reads a few)."""
+        P = len(self.prompt_token_ids)
+        if b <= P:
+            return self.prompt_token_ids[a:b]
+        if a >= P:
+            return self.output_token_ids[a - P:b - P]
+        return self.prompt_token_ids[a:] + self.output_token_ids[:b - P]
+
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
