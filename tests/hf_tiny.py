@@ -128,11 +128,12 @@ LLAVA_IMAGE_TOKEN = 256  # "<image>", the byte tokenizer's first added token
 
 def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: float = 0.2,
                     feature_layer=-2, strategy: str = "default", image_size: int = 28, patch_size: int = 7,
-                    **text_overrides) -> Path:
+                    pinpoints=None, **text_overrides) -> Path:
     """A tiny random LlavaForConditionalGeneration (CLIP tower of 3 layers, 16 patches of 7x7 on 28x28
     images; a `text_family` language model with vocab 260), saved with a byte-level tokenizer whose
     "<image>" is id 256, a LLaVA-1.5-style chat template (in chat_template.json, as llava-hf ships it) and a
-    CLIP preprocessor_config.json."""
+    CLIP preprocessor_config.json. With pinpoints ((height, width) multiples of image_size): a
+    LlavaNextForConditionalGeneration and its (PIL) image processor instead."""
     import torch
     import transformers as tf
 
@@ -143,11 +144,16 @@ def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: fl
     text = _config(text_family, dict(dict(vocab_size=260), **text_overrides))
     vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                  image_size=image_size, patch_size=patch_size, projection_dim=16)
-    cfg = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN,
-                         vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
-                         tie_word_embeddings=text.tie_word_embeddings)
+    common = dict(vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN,
+                  vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
+                  tie_word_embeddings=text.tie_word_embeddings)
     torch.manual_seed(seed)
-    model = tf.LlavaForConditionalGeneration(cfg).float().eval()
+    if pinpoints:
+        cfg = tf.LlavaNextConfig(image_grid_pinpoints=[list(p) for p in pinpoints], **common)
+        model = tf.LlavaNextForConditionalGeneration(cfg).float().eval()
+    else:
+        cfg = tf.LlavaConfig(**common)
+        model = tf.LlavaForConditionalGeneration(cfg).float().eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -158,10 +164,11 @@ def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: fl
                 p.copy_((0.2 if name.endswith("bias") else std) * noise)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    out = Path(tmp_path) / f"llava-{text_family}-{strategy}"
+    out = Path(tmp_path) / f"llava{'-next' if pinpoints else ''}-{text_family}-{strategy}"
     model.save_pretrained(out)
-    proc = tf.CLIPImageProcessor(size={"shortest_edge": image_size},
-                                 crop_size={"height": image_size, "width": image_size})
+    kind = tf.LlavaNextImageProcessorPil if pinpoints else tf.CLIPImageProcessor
+    proc = kind(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+                **({"image_grid_pinpoints": [list(p) for p in pinpoints]} if pinpoints else {}))
     proc.save_pretrained(out)
     add_byte_tokenizer(out, special=("<image>",))
     import json

@@ -540,16 +540,12 @@ class LLMEngine:
         """A prompt with images (PIL images, in placeholder order) -> MultiModalPrompt: each image
         preprocessed, its placeholder token expanded to its feature rows."""
         from jaxserve.engine.multimodal import MultiModalError, expand_placeholders
-        from jaxserve.loader import image as image_mod
 
         if self.vision is None:
             raise MultiModalError(f"{self.model.name} takes no images (a text-only model)")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        pixels = [image_mod.preprocess(im, self.vision.processor) for im in images]
-        v = self.vision.cfg
-        return expand_placeholders(ids, pixels, [image_mod.content_hash(p) for p in pixels], v.image_token_id,
-                                   v.num_features, text if text is not None else
-                                   prompt if isinstance(prompt, str) else None)
+        return expand_placeholders(ids, [self.vision.prepare(im) for im in images], self.vision.cfg.image_token_id,
+                                   text if text is not None else prompt if isinstance(prompt, str) else None)
 
     @property
     def lora_paths(self) -> dict[str, str]:

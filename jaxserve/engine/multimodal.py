@@ -27,8 +27,9 @@ class MultiModalError(ValueError):
 class ImageInput:
     offset: int  # position of the first placeholder token in the prompt
     length: int  # placeholder tokens = feature rows
-    pixels: np.ndarray  # preprocessed [C, H, W] float32
+    pixels: np.ndarray  # preprocessed [C, H, W] float32 (LLaVA-NeXT: its tiles [N, C, H, W])
     hash: bytes
+    size_hw: tuple[int, int] | None = None  # LLaVA-NeXT: the image's size (its tiles' features are packed by it)
 
 
 @dataclass
@@ -46,21 +47,21 @@ class MultiModalPrompt:
         return max((im.offset + im.length for im in self.images), default=0)
 
 
-def expand_placeholders(ids: list[int], pixels: list[np.ndarray], hashes: list[bytes], image_token_id: int,
-                        num_features: int, text: str | None = None) -> MultiModalPrompt:
-    """Each lone image placeholder in ids becomes num_features of them, one image per placeholder in
-    order."""
+def expand_placeholders(ids: list[int], prepared: list[tuple], image_token_id: int,
+                        text: str | None = None) -> MultiModalPrompt:
+    """Each lone image placeholder in ids becomes as many of them as its image has feature rows, one image
+    per placeholder in order. prepared: per image (pixels, feature rows, content hash, size or None)."""
     where = [i for i, t in enumerate(ids) if t == image_token_id]
-    if len(where) != len(pixels):
+    if len(where) != len(prepared):
         raise MultiModalError(f"the prompt has {len(where)} image placeholder token(s) (id {image_token_id}) "
-                              f"for {len(pixels)} image(s): one placeholder per image")
+                              f"for {len(prepared)} image(s): one placeholder per image")
     out: list[int] = []
     images = []
     prev = 0
-    for i, px, h in zip(where, pixels, hashes):
+    for i, (px, n, h, hw) in zip(where, prepared):
         out += ids[prev:i]
-        images.append(ImageInput(len(out), num_features, px, h))
-        out += [image_token_id] * num_features
+        images.append(ImageInput(len(out), n, px, h, hw))
+        out += [image_token_id] * n
         prev = i + 1
     out += ids[prev:]
     return MultiModalPrompt(out, images, text)

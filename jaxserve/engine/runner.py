@@ -622,14 +622,18 @@ class ModelRunner:
         for j, row, rel, k in overrides(seq.mm, start, n):
             feats = seq.mm.features.get(j)
             if feats is None:  # first needed now (or again, after a preemption): encode once
-                feats = seq.mm.features[j] = self.encode_image(seq.mm.images[j].pixels)
+                feats = seq.mm.features[j] = self.encode_image(seq.mm.images[j])
             inp["mm_embeds"][t + rel:t + rel + k] = feats[row:row + k]
             inp["mm_mask"][t + rel:t + rel + k] = True
 
-    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
-        """Preprocessed pixels [C, S, S] -> projected features [num_features, hidden] on the host."""
-        exe = self.compile(("vision", pixels.shape[-1]))
-        return np.asarray(exe(self.vision.weights, pixels[None]))[0]
+    def encode_image(self, image) -> np.ndarray:
+        """An ImageInput (engine/multimodal.py) -> its projected feature rows [length, hidden] on the host.
+        LLaVA-NeXT's tiles go through the one-input program one after another, then are packed."""
+        exe = self.compile(("vision", image.pixels.shape[-1]))
+        if image.size_hw is None:
+            return np.asarray(exe(self.vision.weights, image.pixels[None]))[0]
+        tiles = np.stack([np.asarray(exe(self.vision.weights, t[None]))[0] for t in image.pixels])
+        return self.vision.pack(tiles.astype(np.float32), image.size_hw)
 
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:

@@ -1,6 +1,6 @@
 """Map a Hugging Face `config.json` onto ModelConfig.
 
-Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3 and llava (multimodal: their `text_config`) and
+Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3, llava and llava_next (multimodal: their `text_config`) and
 gemma3_text. Fields missing from the file take transformers' class defaults for that model type, because
 HF configs on the Hub (notably Gemma 3's `text_config`) omit fields equal to those defaults.
 
@@ -22,7 +22,7 @@ from typing import Any
 from jaxserve.config import ConfigError, ModelConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "mixtral",
-                         "qwen2_moe", "qwen3_moe", "llava")
+                         "qwen2_moe", "qwen3_moe", "llava", "llava_next")
 LLAVA_TEXT_TYPES = ("llama", "mistral", "qwen2")  # language models of a llava checkpoint
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -176,7 +176,7 @@ def _text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     mtype = config.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unsupported model_type {mtype!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if mtype not in ("gemma3", "llava"):
+    if mtype not in ("gemma3", "llava", "llava_next"):
         return mtype, dict(config)
     # Multimodal: the language model lives in text_config; token ids and tying may sit at the top level
     # (LLaVA's vision tower and projector: models/clip_vision.py).

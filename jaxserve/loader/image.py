@@ -122,8 +122,7 @@ def _center_crop(a: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     return a[:, top:top + th, left:left + tw]
 
 
-def preprocess(img, pc: ImageProcessorConfig) -> np.ndarray:
-    """A PIL image -> normalized float32 pixels [C, H, W]."""
+def _rgb(img, pc: ImageProcessorConfig):
     from PIL import Image
 
     if not isinstance(img, Image.Image):
@@ -131,11 +130,16 @@ def preprocess(img, pc: ImageProcessorConfig) -> np.ndarray:
     if pc.convert_rgb:  # as transformers: transparency composited onto white
         if "A" in img.getbands() or img.info.get("transparency") is not None:
             rgba = img.convert("RGBA")
-            img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-        else:
-            img = img.convert("RGB")
-    elif img.mode != "RGB":
+            return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        return img.convert("RGB")
+    if img.mode != "RGB":
         raise ImageError(f"a {img.mode} image needs do_convert_rgb in the image processor config")
+    return img
+
+
+def preprocess(img, pc: ImageProcessorConfig) -> np.ndarray:
+    """A PIL image -> normalized float32 pixels [C, H, W]."""
+    img = _rgb(img, pc)
     if pc.shortest_edge or pc.size_hw:
         w, h = img.size
         if pc.shortest_edge:
@@ -158,9 +162,32 @@ def preprocess(img, pc: ImageProcessorConfig) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32)
 
 
-def content_hash(pixels: np.ndarray) -> bytes:
-    """What the prefix cache keys an image's placeholder blocks on: the preprocessed pixels."""
-    return hashlib.blake2b(pixels.tobytes(), digest_size=16).digest()
+def preprocess_anyres(img, pc: ImageProcessorConfig, pinpoints, tile: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """LLaVA-NeXT (transformers' LlavaNextImageProcessor, PIL backend): a PIL image -> (normalized tiles
+    [1 + rows*cols, C, tile, tile]: the whole image resized to the processor's square size, then the image
+    resized into its best grid resolution (aspect kept, bicubic on uint8 pixels), padded with black around
+    it and cut row by row; the image's (height, width))."""
+    from PIL import Image
+
+    from jaxserve.models import anyres
+
+    img = _rgb(img, pc)
+    hw = (img.height, img.width)
+    bh, bw = anyres.best_resolution(hw, pinpoints)
+    nh, nw = anyres.resized_within(hw, (bh, bw))
+    canvas = np.zeros((bh, bw, 3), np.uint8)
+    top, left = (bh - nh) // 2, (bw - nw) // 2
+    canvas[top:top + nh, left:left + nw] = np.asarray(img.resize((nw, nh), resample=pc.resample))
+    side = (pc.shortest_edge, pc.shortest_edge) if pc.shortest_edge else pc.size_hw
+    tiles = [img.resize(side[::-1], resample=pc.resample)]
+    tiles += [Image.fromarray(canvas[i:i + tile, j:j + tile]) for i in range(0, bh, tile) for j in range(0, bw, tile)]
+    return np.stack([preprocess(t, pc) for t in tiles]), hw
+
+
+def content_hash(pixels: np.ndarray, extra: bytes = b"") -> bytes:
+    """What the prefix cache keys an image's placeholder blocks on: the preprocessed pixels (and, for
+    LLaVA-NeXT, the image's size, which decides the rows its features keep)."""
+    return hashlib.blake2b(pixels.tobytes() + extra, digest_size=16).digest()
 
 
 def split_content(parts: list[dict], where: str = "content") -> tuple[list[dict], list]:

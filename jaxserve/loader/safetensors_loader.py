@@ -36,6 +36,7 @@ _DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.
 # Tensors of a checkpoint that are not part of the language model.
 _IGNORED = re.compile(
     r"^(model\.)?(vision_tower|vision_model|multi_modal_projector|visual)\."
+    r"|^(model\.)?image_newline$"  # LLaVA-NeXT's, read with the vision tower (loader/vision_weights.py)
     r"|\.rotary_emb\.inv_freq$"
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

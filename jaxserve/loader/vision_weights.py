@@ -21,6 +21,7 @@ from jaxserve.models.clip_vision import VisionConfig, vision_config_from_hf
 
 _TOWER = re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?(.+)$")
 _PROJ = re.compile(r"^(?:model\.)?multi_modal_projector\.(linear_[12])\.(weight|bias)$")
+_NEWLINE = re.compile(r"^(?:model\.)?image_newline$")  # LLaVA-NeXT: after each row of an image's feature map
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 _GLOBAL = {"embeddings.class_embedding": "cls", "embeddings.patch_embedding.weight": "patch",
            "embeddings.position_embedding.weight": "pos", "pre_layrnorm.weight": "pre_ln_w",
@@ -39,7 +40,7 @@ _UNUSED = ("post_layernorm.weight", "post_layernorm.bias", "embeddings.position_
 
 
 def is_vision_tensor(name: str) -> bool:
-    return bool(_TOWER.match(name) or _PROJ.match(name))
+    return bool(_TOWER.match(name) or _PROJ.match(name) or _NEWLINE.match(name))
 
 
 def _expected(v: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -49,6 +50,8 @@ def _expected(v: VisionConfig) -> dict[str, tuple[int, ...]]:
               "pre_ln_b": (D,), "proj1": (n_in, v.text_hidden_size), "proj2": (v.text_hidden_size,) * 2}
     if v.projector_bias:
         shapes.update(proj1_b=(v.text_hidden_size,), proj2_b=(v.text_hidden_size,))
+    if v.pinpoints:
+        shapes["newline"] = (v.text_hidden_size,)
     per = {"ln1_w": (D,), "ln1_b": (D,), "ln2_w": (D,), "ln2_b": (D,), "fc1": (D, F), "fc1_b": (F,),
            "fc2": (F, D), "fc2_b": (D,), "o": (D, D), "o_b": (D,)}
     for n in "qkv":
@@ -60,6 +63,8 @@ def _expected(v: VisionConfig) -> dict[str, tuple[int, ...]]:
 
 def _target(name: str, v: VisionConfig) -> tuple[str | None, bool]:
     """HF name -> (our flat name or None for an unused tensor, transpose?)."""
+    if _NEWLINE.match(name):
+        return ("newline" if v.pinpoints else None), False
     m = _PROJ.match(name)
     if m:
         which = "proj1" if m.group(1) == "linear_1" else "proj2"
@@ -105,11 +110,12 @@ def load_vision_weights(model_dir: str | Path, v: VisionConfig, dtype, files=Non
     if missing:
         raise SafetensorsError(f"llava checkpoint is missing {len(missing)} vision tensor(s): {', '.join(missing[:6])}")
     dt = jnp.dtype(dtype)
+    newline = got.pop("newline", None)
     tree = {k: jnp.asarray(a, dt) for k, a in got.items() if not k.startswith("layers.")}
     per = sorted({k.split(".", 2)[2] for k in got if k.startswith("layers.")})
     tree["layers"] = {n: jnp.asarray(np.stack([got[f"layers.{i}.{n}"] for i in range(v.num_layers)]), dt)
                       for n in per}
-    return tree
+    return tree, newline
 
 
 @dataclass
@@ -119,13 +125,36 @@ class VisionModel:
     cfg: VisionConfig
     weights: dict
     processor: ImageProcessorConfig
+    newline: np.ndarray | None = None  # LLaVA-NeXT's image_newline [text hidden], float32, on the host
+
+    def prepare(self, img) -> tuple[np.ndarray, int, bytes, tuple[int, int] | None]:
+        """A PIL image -> (preprocessed pixels, its placeholder tokens, its content hash, its (height, width)):
+        [C, S, S] and num_features for LLaVA-1.5 (no size); tiles [1 + rows*cols, C, S, S] and a count that
+        depends on the size for LLaVA-NeXT."""
+        from jaxserve.loader import image as image_mod
+        from jaxserve.models import anyres
+
+        v = self.cfg
+        if v.pinpoints is None:
+            px = image_mod.preprocess(img, self.processor)
+            return px, v.num_features, image_mod.content_hash(px), None
+        px, hw = image_mod.preprocess_anyres(img, self.processor, v.pinpoints, v.image_size)
+        n = anyres.num_features(hw, v.pinpoints, v.image_size, v.patch_size)
+        return px, n, image_mod.content_hash(px, f"{hw[0]}x{hw[1]}".encode()), hw
+
+    def pack(self, tile_features: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+        """The language model's rows of an image from its tiles' projected features (LLaVA-NeXT)."""
+        from jaxserve.models import anyres
+
+        v = self.cfg
+        return anyres.pack(tile_features, hw, v.pinpoints, v.image_size, v.patch_size, self.newline)
 
 
 def llava_vision_config(model_dir: Path, text_hidden_size: int) -> VisionConfig | None:
-    """The VisionConfig of a llava model directory, None for any other model."""
+    """The VisionConfig of a llava or llava_next model directory, None for any other model."""
     path = Path(model_dir) / "config.json"
     d = json.loads(path.read_text()) if path.is_file() else {}
-    return vision_config_from_hf(d, text_hidden_size) if d.get("model_type") == "llava" else None
+    return vision_config_from_hf(d, text_hidden_size) if d.get("model_type") in ("llava", "llava_next") else None
 
 
 def load_vision(model_dir: Path, v: VisionConfig, dtype, files=None) -> VisionModel:
@@ -135,4 +164,5 @@ def load_vision(model_dir: Path, v: VisionConfig, dtype, files=None) -> VisionMo
     if proc.output_hw != (v.image_size, v.image_size):
         raise ConfigError(f"{model_dir}: the image processor makes {proc.output_hw} images but the vision "
                           f"tower takes {v.image_size}x{v.image_size}")
-    return VisionModel(v, load_vision_weights(model_dir, v, dtype, files), proc)
+    weights, newline = load_vision_weights(model_dir, v, dtype, files)
+    return VisionModel(v, weights, proc, newline)

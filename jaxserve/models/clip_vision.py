@@ -37,6 +37,9 @@ class VisionConfig:
     projector_bias: bool
     text_hidden_size: int
     image_token_id: int
+    # LLaVA-NeXT: the (height, width) resolutions an image may be tiled into (models/anyres.py); None: one
+    # image = one tower-sized input (LLaVA-1.5)
+    pinpoints: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_patches(self) -> int:
@@ -44,12 +47,13 @@ class VisionConfig:
 
     @property
     def num_features(self) -> int:
-        """Placeholder tokens (= projected feature rows) per image."""
+        """Placeholder tokens (= projected feature rows) per tower input (per image for LLaVA-1.5; per tile
+        for LLaVA-NeXT, whose images take models/anyres.num_features)."""
         return self.num_patches + int(self.keep_cls)
 
 
 def vision_config_from_hf(config: dict, text_hidden_size: int) -> VisionConfig:
-    """The VisionConfig of a llava config.json (ConfigError for what this encoder cannot run)."""
+    """The VisionConfig of a llava or llava_next config.json (ConfigError for what this encoder cannot run)."""
     from jaxserve.config import ConfigError
 
     v = dict(_VISION_DEFAULTS)
@@ -65,6 +69,15 @@ def vision_config_from_hf(config: dict, text_hidden_size: int) -> VisionConfig:
     strategy = config.get("vision_feature_select_strategy", "default")
     if strategy not in ("default", "full"):
         raise ConfigError(f"llava: vision_feature_select_strategy {strategy!r} (default or full)")
+    pinpoints = None
+    if config.get("model_type") == "llava_next":
+        pinpoints = tuple(tuple(int(x) for x in p) for p in config.get("image_grid_pinpoints") or ())
+        size = int(v["image_size"])
+        if not pinpoints or any(len(p) != 2 or p[0] % size or p[1] % size or min(p) <= 0 for p in pinpoints):
+            raise ConfigError(f"llava_next: image_grid_pinpoints {config.get('image_grid_pinpoints')} must be "
+                              f"(height, width) pairs, multiples of the tower's image_size {size}")
+        if strategy != "default":
+            raise ConfigError("llava_next: only vision_feature_select_strategy \"default\" is supported")
     for name in (v["hidden_act"], config.get("projector_hidden_act", "gelu")):
         if name not in _ACTS:
             raise ConfigError(f"llava: activation {name!r} is not supported ({', '.join(_ACTS)})")
@@ -77,7 +90,7 @@ def vision_config_from_hf(config: dict, text_hidden_size: int) -> VisionConfig:
         hidden_act=v["hidden_act"], feature_layers=idx, keep_cls=strategy == "full",
         projector_act=config.get("projector_hidden_act", "gelu"),
         projector_bias=bool(config.get("multimodal_projector_bias", True)), text_hidden_size=text_hidden_size,
-        image_token_id=int(config.get("image_token_index", config.get("image_token_id", 32000))))
+        image_token_id=int(config.get("image_token_index", config.get("image_token_id", 32000))), pinpoints=pinpoints)
 
 
 def _act(name: str, x):
