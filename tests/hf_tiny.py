@@ -126,6 +126,59 @@ LLAVA_TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'system
 LLAVA_IMAGE_TOKEN = 256  # "<image>", the byte tokenizer's first added token
 
 
+GEMMA3_TEMPLATE = ("{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\n' }}"
+                   "{% for c in message['content'] %}{% if c['type'] == 'image' %}{{ '<start_of_image>' }}"
+                   "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{{ '<end_of_turn>\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+GEMMA3_BOI, GEMMA3_EOI, GEMMA3_IMAGE = 256, 257, 258  # the byte tokenizer's added tokens
+
+
+def make_tiny_gemma3_vision(tmp_path, seed: int = 0, std: float = 0.2, mm_tokens: int = 4) -> Path:
+    """A tiny random Gemma3ForConditionalGeneration: a SigLIP tower of 2 layers (16 patches of 7x7 on 28x28
+    images) pooled to mm_tokens rows per image, the 6-layer gemma3 language model above (sliding window 8)
+    with vocab 264, a byte-level tokenizer whose "<start_of_image>", "<end_of_image>" and
+    "<image_soft_token>" are ids 256-258, a Gemma-style chat template and Gemma 3's (PIL) image processor."""
+    import json
+
+    import torch
+    import transformers as tf
+
+    from tiny_tokenizer import add_byte_tokenizer
+
+    torch.set_num_threads(1)
+    tf.utils.logging.disable_progress_bar()
+    text = _config("gemma3", dict(vocab_size=264))
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   image_size=28, patch_size=7, vision_use_head=False)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens,
+                          boi_token_index=GEMMA3_BOI, eoi_token_index=GEMMA3_EOI, image_token_index=GEMMA3_IMAGE)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(cfg).float().eval()
+    _randomize(model, seed, std)
+    out = Path(tmp_path) / "gemma3-vision"
+    model.save_pretrained(out)
+    tf.Gemma3ImageProcessorPil(size={"height": 28, "width": 28}).save_pretrained(out)
+    add_byte_tokenizer(out, special=("<start_of_image>", "<end_of_image>", "<image_soft_token>"))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": GEMMA3_TEMPLATE}))
+    return out
+
+
+def _randomize(model, seed: int, std: float) -> None:
+    """Every parameter random (norm weights around 1), tied embeddings re-tied."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            else:
+                p.copy_((0.2 if name.endswith("bias") else std) * noise)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
 def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: float = 0.2,
                     feature_layer=-2, strategy: str = "default", image_size: int = 28, patch_size: int = 7,
                     pinpoints=None, **text_overrides) -> Path:
@@ -154,16 +207,7 @@ def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: fl
     else:
         cfg = tf.LlavaConfig(**common)
         model = tf.LlavaForConditionalGeneration(cfg).float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * noise)
-            else:
-                p.copy_((0.2 if name.endswith("bias") else std) * noise)
-    if cfg.tie_word_embeddings:
-        model.tie_weights()
+    _randomize(model, seed, std)
     out = Path(tmp_path) / f"llava{'-next' if pinpoints else ''}-{text_family}-{strategy}"
     model.save_pretrained(out)
     kind = tf.LlavaNextImageProcessorPil if pinpoints else tf.CLIPImageProcessor

@@ -461,6 +461,13 @@ class LLMEngine:
         num_blocks = choose_num_blocks(lm.cfg, ecfg, reserved_bytes=reserved,
                                        extra_per_block=kv_bytes_per_block(draft.cfg, ecfg) if draft else 0)
         # runner_cls: multi-host rank 0 uses a runner that also publishes each step's inputs.
+        if lm.vision is not None and lm.vision.cfg.gemma3:
+            need = -(-lm.vision.cfg.mm_tokens // ecfg.attn_tile) * ecfg.attn_tile
+            if ecfg.max_step_tokens < need:  # an image's run is prefilled in one step (engine/multimodal.chunk_end)
+                from jaxserve.config import ConfigError
+
+                raise ConfigError(f"this model's images take {lm.vision.cfg.mm_tokens} tokens each, computed in one "
+                                  f"step: the prefill chunk size ({ecfg.max_step_tokens}) must be at least {need}")
         mm = {"vision": lm.vision} if lm.vision is not None else {}  # text models: the runner as before
         self.runner = (runner_cls or ModelRunner)(lm.cfg, ecfg, lm.weights, num_blocks, attention=attention,
                                                   mesh=lm.mesh, rules=lm.rules, **mm)
@@ -539,12 +546,20 @@ class LLMEngine:
     def multimodal_prompt(self, prompt: str | list[int], images: list, text: str | None = None):
         """A prompt with images (PIL images, in placeholder order) -> MultiModalPrompt: each image
         preprocessed, its placeholder token expanded to its feature rows."""
-        from jaxserve.engine.multimodal import MultiModalError, expand_placeholders
+        from jaxserve.engine.multimodal import MultiModalError, expand_gemma3, expand_placeholders
 
         if self.vision is None:
             raise MultiModalError(f"{self.model.name} takes no images (a text-only model)")
+        v = self.vision.cfg
+        prepared = [self.vision.prepare(im) for im in images]
+        if v.gemma3:  # the placeholder is the begin-of-image token; its text is expanded before tokenizing
+            tok = self.tokenizer
+            special = {k: (tok.id_to_token(i), i) for k, i in
+                       (("boi", v.boi_token_id), ("eoi", v.eoi_token_id), ("image", v.image_token_id))}
+            return expand_gemma3(text if text is not None else prompt, prepared, special, v.mm_tokens, tok.encode,
+                                 tok.encode("\n\n", add_special_tokens=False))
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return expand_placeholders(ids, [self.vision.prepare(im) for im in images], self.vision.cfg.image_token_id,
+        return expand_placeholders(ids, prepared, v.image_token_id,
                                    text if text is not None else prompt if isinstance(prompt, str) else None)
 
     @property

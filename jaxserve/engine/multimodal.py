@@ -40,6 +40,9 @@ class MultiModalPrompt:
     # image index -> projected features (host array), filled by the runner when a step first needs them
     # and dropped by the engine once every sequence of the request is past the images
     features: dict = field(default_factory=dict)
+    # Gemma 3: an image's rows attend to each other both ways, so a prefill chunk never ends inside a run
+    # (`chunk_end`) and the runner gives each image row its run's last position as its attention limit
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:
@@ -65,6 +68,45 @@ def expand_placeholders(ids: list[int], prepared: list[tuple], image_token_id: i
         prev = i + 1
     out += ids[prev:]
     return MultiModalPrompt(out, images, text)
+
+
+def expand_gemma3(prompt: str | list[int], prepared: list[tuple], special: dict, num_rows: int,
+                  encode, newline_ids: list[int]) -> MultiModalPrompt:
+    """Gemma 3's prompts: each begin-of-image token (the chat template's image placeholder) becomes
+    "\n\n" boi, num_rows image tokens, eoi "\n\n", as transformers' Gemma3Processor replaces it in the
+    text before tokenizing (a str prompt: the replaced text is tokenized, exactly as there; token ids: the
+    pieces are inserted by id). prepared: as for expand_placeholders; special: {"boi", "eoi", "image"} ->
+    (text, id); encode: a prompt's text -> ids; newline_ids: "\n\n" tokenized alone."""
+    (boi, boi_id), (eoi, eoi_id), (img, img_id) = special["boi"], special["eoi"], special["image"]
+    n = prompt.count(boi) if isinstance(prompt, str) else prompt.count(boi_id)
+    if n != len(prepared):
+        raise MultiModalError(f"the prompt has {n} image placeholder(s) ({boi!r}) for {len(prepared)} image(s): "
+                              "one placeholder per image")
+    if isinstance(prompt, str):
+        ids = encode(prompt.replace(boi, f"\n\n{boi}{img * num_rows}{eoi}\n\n"))
+    else:
+        nl, ids = list(newline_ids), []
+        for t in prompt:
+            ids += nl + [boi_id] + [img_id] * num_rows + [eoi_id] + nl if t == boi_id else [t]
+    starts = [i for i, t in enumerate(ids) if t == img_id and (i == 0 or ids[i - 1] != img_id)]
+    if len(starts) != n or ids.count(img_id) != n * num_rows:
+        raise MultiModalError(f"the prompt holds image tokens ({img!r}) of its own: {ids.count(img_id)} where its "
+                              f"{n} image(s) take {n * num_rows}")
+    images = [ImageInput(i, num_rows, px, h, hw) for i, (px, _, h, hw) in zip(starts, prepared)]
+    return MultiModalPrompt(ids, images, prompt if isinstance(prompt, str) else None, bidirectional=True)
+
+
+def chunk_end(mm: MultiModalPrompt | None, start: int, end: int) -> int:
+    """Where a prefill chunk [start, end) may end: before an image run it would cut, for models whose image
+    rows attend both ways (a run must be computed in one step: its first rows read its last ones), or at the
+    run's end when the chunk starts inside it."""
+    if mm is None or not mm.bidirectional:
+        return end
+    for im in mm.images:
+        lo, hi = im.offset, im.offset + im.length
+        if lo < end < hi:
+            return lo if lo > start else hi
+    return end
 
 
 def block_extra(mm: MultiModalPrompt | None, lo: int, hi: int) -> bytes:

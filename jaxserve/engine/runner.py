@@ -156,7 +156,9 @@ class ModelRunner:
         mod = getattr(base, "__module__", "") or ""
         if name is None and mod.startswith(pa.__name__ + "."):
             name = mod.rsplit(".", 1)[1]
-        self.attention_tiled = pa.get_tiled(name or "reference", ecfg.attn_tile)
+        # Gemma 3's image rows see their whole run: only the reference's tiled variant takes such limits
+        bidir = vision is not None and vision.cfg.gemma3
+        self.attention_tiled = pa.get_tiled("reference" if bidir else name or "reference", ecfg.attn_tile)
         self.scan_layers = platform == "cpu" if ecfg.scan_layers is None else ecfg.scan_layers
         # Fused residual add + RMSNorm: one kernel instead of XLA's 2-3 per norm on a GPU (one device:
         # the Pallas call is not partitioned over a mesh).
@@ -491,6 +493,8 @@ class ModelRunner:
         if self.vision is not None:  # image features in place of placeholder embeddings (multimodal only)
             base["mm_embeds"] = np.zeros((T, self.cfg.hidden_size), jnp.dtype(self.ecfg.dtype))
             base["mm_mask"] = np.zeros(T, bool)
+            if self.vision.cfg.gemma3:  # each token's last visible key (models/transformer.py)
+                base["attn_limit"] = np.zeros(T, np.int32)
         return base
 
     def ones_mask(self, S: int):
@@ -580,6 +584,8 @@ class ModelRunner:
             sl = slice(t, t + s.num_new)
             inp["token_ids"][sl] = toks
             inp["positions"][sl] = pos
+            if "attn_limit" in inp:
+                inp["attn_limit"][sl] = pos
             inp["token_seq"][sl] = i
             if self.num_adapters:
                 for slot, scale in seq.lora_mix:
@@ -625,6 +631,9 @@ class ModelRunner:
                 feats = seq.mm.features[j] = self.encode_image(seq.mm.images[j])
             inp["mm_embeds"][t + rel:t + rel + k] = feats[row:row + k]
             inp["mm_mask"][t + rel:t + rel + k] = True
+            if seq.mm.bidirectional:  # the run's rows see each other (the chunk holds the run's end)
+                im = seq.mm.images[j]
+                inp["attn_limit"][t + rel:t + rel + k] = im.offset + im.length - 1
 
     def encode_image(self, image) -> np.ndarray:
         """An ImageInput (engine/multimodal.py) -> its projected feature rows [length, hidden] on the host.

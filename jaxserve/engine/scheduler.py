@@ -20,7 +20,7 @@ from typing import Callable
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput, StepResult
-from jaxserve.engine import speculative
+from jaxserve.engine import multimodal, speculative
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.sequence import FinishReason, Sequence, SeqStatus
 
@@ -209,6 +209,12 @@ class Scheduler:
                 return n if cost(n) <= budget else 0
             return min(n, budget // Q * Q)
 
+        def whole_runs(seq: Sequence, n: int) -> int:
+            """n, or less so that the chunk does not cut an image run whose rows attend both ways (0: wait)."""
+            s = seq.num_computed_tokens
+            e = multimodal.chunk_end(seq.mm, s, s + n)
+            return e - s if e - s <= n else 0
+
         def put(seq: Sequence, n: int, reset_row: bool = False, draft: tuple = ()) -> None:
             nonlocal budget
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, reset_row, draft=draft))
@@ -240,7 +246,7 @@ class Scheduler:
             if not self._make_room(seq, 1, scheduled, out, yield_self=False):
                 continue
             # a smaller chunk beats preempting someone: take what the free blocks allow
-            n = chunk(min(seq.num_tokens - seq.num_computed_tokens, self.bm.capacity(seq)))
+            n = whole_runs(seq, chunk(min(seq.num_tokens - seq.num_computed_tokens, self.bm.capacity(seq))))
             if n <= 0:
                 continue
             self.bm.append_slots(seq, n)
@@ -255,11 +261,16 @@ class Scheduler:
                     self.finish_seq(seq, FinishReason.LENGTH)
                     continue
                 break
+            n = whole_runs(seq, chunk(seq.num_tokens - seq.num_computed_tokens))
+            if n <= 0:  # its first chunk would cut an image run that the budget left cannot hold: next step
+                self.bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.row = heapq.heappop(self._free_rows)
             self.running.append(seq)
-            put(seq, chunk(seq.num_tokens - seq.num_computed_tokens), reset_row=True)
+            put(seq, n, reset_row=True)
 
         out.decode_steps = self._pick_decode_steps(out)
         return out

@@ -73,8 +73,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
                  prompt_mask=state["prompt_mask"].at[pm_rows, inp["token_ids"]].set(True, mode="drop"),
                  out_counts=state["out_counts"].at[oc_rows, inp["token_ids"]].add(1, mode="drop"))
 
-    batch = {k: inp[k] for k in ("token_ids", "positions", "token_seq", "block_tables", "mm_embeds", "mm_mask")
-             if k in inp}
+    batch = {k: inp[k] for k in ("token_ids", "positions", "token_seq", "block_tables", "mm_embeds", "mm_mask",
+                                 "attn_limit") if k in inp}
     batch["slots"] = _slots(batch, block_size)
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     if cfg.is_moe:  # padding tokens (the dummy sequence) are not routed to experts of their own

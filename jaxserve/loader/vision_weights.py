@@ -1,4 +1,4 @@
-"""A LLaVA checkpoint's vision tower and projector (models/clip_vision.py) read from its safetensors.
+"""A LLaVA or Gemma 3 checkpoint's vision tower and projector (models/clip_vision.py) read from its safetensors.
 
 Both layouts are mapped: transformers >= 4.52 in memory (`model.vision_tower.*`,
 `model.multi_modal_projector.*`) and the top-level names that llava-hf checkpoints have and that
@@ -21,11 +21,15 @@ from jaxserve.models.clip_vision import VisionConfig, vision_config_from_hf
 
 _TOWER = re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?(.+)$")
 _PROJ = re.compile(r"^(?:model\.)?multi_modal_projector\.(linear_[12])\.(weight|bias)$")
+# Gemma 3's projector: [vision hidden, text hidden] (used as x @ w, not transposed) and its RMSNorm weight
+_GEMMA3_PROJ = {"mm_input_projection_weight": "mm_proj", "mm_soft_emb_norm.weight": "mm_norm"}
+_GEMMA3 = re.compile(r"^(?:model\.)?multi_modal_projector\.(mm_input_projection_weight|mm_soft_emb_norm\.weight)$")
 _NEWLINE = re.compile(r"^(?:model\.)?image_newline$")  # LLaVA-NeXT: after each row of an image's feature map
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 _GLOBAL = {"embeddings.class_embedding": "cls", "embeddings.patch_embedding.weight": "patch",
            "embeddings.position_embedding.weight": "pos", "pre_layrnorm.weight": "pre_ln_w",
-           "pre_layrnorm.bias": "pre_ln_b"}
+           "pre_layrnorm.bias": "pre_ln_b", "embeddings.patch_embedding.bias": "patch_b",
+           "post_layernorm.weight": "post_ln_w", "post_layernorm.bias": "post_ln_b"}
 # suffix -> (name, is a linear weight: transposed to [in, out])
 _PER_LAYER = {"layer_norm1.weight": ("ln1_w", False), "layer_norm1.bias": ("ln1_b", False),
               "layer_norm2.weight": ("ln2_w", False), "layer_norm2.bias": ("ln2_b", False),
@@ -35,19 +39,24 @@ _PER_LAYER = {"layer_norm1.weight": ("ln1_w", False), "layer_norm1.bias": ("ln1_
 for _n in "qkv":
     _PER_LAYER[f"self_attn.{_n}_proj.weight"] = (_n, True)
     _PER_LAYER[f"self_attn.{_n}_proj.bias"] = (f"{_n}_b", False)
-# tensors of the tower that LLaVA's features never read
-_UNUSED = ("post_layernorm.weight", "post_layernorm.bias", "embeddings.position_ids")
+# tensors of the towers that the features never read (SigLIP's pooling head: Gemma 3 reads the patch rows)
+_UNUSED = ("embeddings.position_ids",)
+_UNUSED_PREFIX = "head."
 
 
 def is_vision_tensor(name: str) -> bool:
-    return bool(_TOWER.match(name) or _PROJ.match(name) or _NEWLINE.match(name))
+    return bool(_TOWER.match(name) or _PROJ.match(name) or _NEWLINE.match(name) or _GEMMA3.match(name))
 
 
 def _expected(v: VisionConfig) -> dict[str, tuple[int, ...]]:
     D, F, C, p = v.hidden_size, v.intermediate_size, v.num_channels, v.patch_size
     n_in = D * len(v.feature_layers)
-    shapes = {"cls": (D,), "patch": (C * p * p, D), "pos": (v.num_patches + 1, D), "pre_ln_w": (D,),
-              "pre_ln_b": (D,), "proj1": (n_in, v.text_hidden_size), "proj2": (v.text_hidden_size,) * 2}
+    if v.gemma3:
+        shapes = {"patch": (C * p * p, D), "patch_b": (D,), "pos": (v.num_patches, D), "post_ln_w": (D,),
+                  "post_ln_b": (D,), "mm_proj": (D, v.text_hidden_size), "mm_norm": (D,)}
+    else:
+        shapes = {"cls": (D,), "patch": (C * p * p, D), "pos": (v.num_patches + 1, D), "pre_ln_w": (D,),
+                  "pre_ln_b": (D,), "proj1": (n_in, v.text_hidden_size), "proj2": (v.text_hidden_size,) * 2}
     if v.projector_bias:
         shapes.update(proj1_b=(v.text_hidden_size,), proj2_b=(v.text_hidden_size,))
     if v.pinpoints:
@@ -65,6 +74,9 @@ def _target(name: str, v: VisionConfig) -> tuple[str | None, bool]:
     """HF name -> (our flat name or None for an unused tensor, transpose?)."""
     if _NEWLINE.match(name):
         return ("newline" if v.pinpoints else None), False
+    m = _GEMMA3.match(name)
+    if m:
+        return _GEMMA3_PROJ[m.group(1)], False
     m = _PROJ.match(name)
     if m:
         which = "proj1" if m.group(1) == "linear_1" else "proj2"
@@ -72,7 +84,7 @@ def _target(name: str, v: VisionConfig) -> tuple[str | None, bool]:
     rest = _TOWER.match(name).group(1)
     if rest in _GLOBAL:
         return _GLOBAL[rest], False
-    if rest in _UNUSED:
+    if rest in _UNUSED or rest.startswith(_UNUSED_PREFIX):
         return None, False
     lm = _LAYER.match(rest)
     if lm and lm.group(2) in _PER_LAYER:
@@ -105,7 +117,8 @@ def load_vision_weights(model_dir: str | Path, v: VisionConfig, dtype, files=Non
             a = a.T if transpose else a
             if a.shape != want.get(ours, a.shape):
                 raise SafetensorsError(f"vision tensor {name!r} has shape {a.shape}, expected {want[ours]}")
-            got[ours] = a
+            if ours in want:  # (a tower's tensors that this model's features do not read are dropped)
+                got[ours] = a
     missing = sorted(set(want) - set(got))
     if missing:
         raise SafetensorsError(f"llava checkpoint is missing {len(missing)} vision tensor(s): {', '.join(missing[:6])}")
@@ -151,10 +164,13 @@ class VisionModel:
 
 
 def llava_vision_config(model_dir: Path, text_hidden_size: int) -> VisionConfig | None:
-    """The VisionConfig of a llava or llava_next model directory, None for any other model."""
+    """The VisionConfig of a llava, llava_next or (multimodal) gemma3 model directory, None for any other model."""
     path = Path(model_dir) / "config.json"
     d = json.loads(path.read_text()) if path.is_file() else {}
-    return vision_config_from_hf(d, text_hidden_size) if d.get("model_type") in ("llava", "llava_next") else None
+    mtype = d.get("model_type")
+    if mtype in ("llava", "llava_next") or (mtype == "gemma3" and d.get("vision_config")):
+        return vision_config_from_hf(d, text_hidden_size)
+    return None
 
 
 def load_vision(model_dir: Path, v: VisionConfig, dtype, files=None) -> VisionModel:

@@ -143,9 +143,11 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         # query tiles (keys gathered once per tile).
         args = (k_cache, v_cache, c["index"], batch["block_tables"])
         attention, tiled = attention
+        # Gemma 3's image rows attend to their whole run (the runner's limits; tiled: the reference then)
+        lim = {"limits": batch["attn_limit"][D:]} if "attn_limit" in batch else {}
         o = jnp.concatenate([
             attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),
-            tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw)])
+            tiled(q[D:], *args, batch["token_seq"][D:], batch["positions"][D:], **kw, **lim)])
     o = proj(o.reshape(T, H * hd), "o", split_out=split_sums and not cfg.sandwich_norms)
     if cfg.sandwich_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.rms_norm_eps)

@@ -37,10 +37,10 @@ async def chat_prompt(state, messages, add_generation_prompt, funcs=None, templa
     """(token ids, MultiModalPrompt or None) of a chat request: a multimodal model's messages keep
     their image parts (sampling.chat_prompt_ids collects them), a text model refuses them."""
     images = [] if getattr(state.engine, "vision", None) is not None else None
-    ids = chat_prompt_ids(state, messages, add_generation_prompt, funcs, template_kwargs, images)
+    ids, text = chat_prompt_ids(state, messages, add_generation_prompt, funcs, template_kwargs, images, with_text=True)
     if not images:
         return ids, None
-    mm = await multimodal_prompt(state.engine, ids, images)
+    mm = await multimodal_prompt(state.engine, ids, images, text)
     return mm.token_ids, mm
 
 

@@ -224,10 +224,10 @@ _RESERVED_TEMPLATE_VARS = ("messages", "tools", "add_generation_prompt")
 
 def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: bool | None,
                     funcs: list[dict] | None = None, template_kwargs: dict | None = None,
-                    images: list | None = None) -> list[int]:
-    """The prompt's token ids; funcs: the declared tools (server/tools.check_tools) or None;
-    template_kwargs: extra variables for the chat template (vLLM's chat_template_kwargs, e.g.
-    {"enable_thinking": false} for Qwen3); images: see messages_for_template."""
+                    images: list | None = None, with_text: bool = False):
+    """The prompt's token ids (with_text: and the rendered prompt); funcs: the declared tools
+    (server/tools.check_tools) or None; template_kwargs: extra variables for the chat template (vLLM's
+    chat_template_kwargs, e.g. {"enable_thinking": false} for Qwen3); images: see messages_for_template."""
     bad = sorted(set(template_kwargs or {}) & set(_RESERVED_TEMPLATE_VARS))
     if bad:
         raise bad_request(f"chat_template_kwargs cannot set {', '.join(bad)} (they are request fields)",
@@ -252,7 +252,8 @@ def chat_prompt_ids(state, messages: list[ChatMessage], add_generation_prompt: b
                                      else add_generation_prompt, **(template_kwargs or {}))
     except Exception as e:  # template errors and roles the template cannot render
         raise bad_request(f"chat template error: {e}", "messages") from None
-    return state.engine.tokenizer.encode(text)
+    ids = state.engine.tokenizer.encode(text)
+    return (ids, text) if with_text else ids
 
 
 def completion_prompts(state, prompt) -> list[tuple[list[int], str | None]]:

@@ -80,11 +80,13 @@ def dense_attention(q, k, v, *, scale, window=0, softcap=None, q_offset=0):
 
 
 def paged_attention_tiled(q, k_cache, v_cache, layer, block_tables, token_seq, positions, *, scale,
-                          window=0, softcap=None, tile=16, blocks_per_iter=8):
+                          window=0, softcap=None, tile=16, blocks_per_iter=8, limits=None):
     """Prefill-region variant: tokens come in tiles of `tile` consecutive tokens of ONE sequence (the
     runner aligns every prompt chunk to a tile; padding tokens may sit at a tile's end). Keys are
     gathered once per tile instead of once per token — `tile` times less gather traffic for chunks.
-    Same contract and results as `paged_attention` for such layouts."""
+    Same contract and results as `paged_attention` for such layouts. limits [T] (optional): the last key
+    position each token sees (default its own position; Gemma 3's image rows see their whole image run,
+    the sliding window still counted from the token's own position)."""
     T, H, D = q.shape
     assert T % tile == 0, (T, tile)
     NT = T // tile
@@ -97,8 +99,9 @@ def paged_attention_tiled(q, k_cache, v_cache, layer, block_tables, token_seq, p
 
     qg = (q.astype(jnp.float32) * scale).reshape(NT, tile, KV, G, D)
     pos = positions.reshape(NT, tile)
+    lim = pos if limits is None else limits.reshape(NT, tile)
     tables = block_tables[token_seq.reshape(NT, tile)[:, 0]]  # [NT, MB]
-    hi = jnp.max(positions) // span + 1
+    hi = jnp.max(lim) // span + 1
     lo = jnp.where(window > 0, jnp.maximum(jnp.min(positions) - window + 1, 0) // span, 0)
 
     def body(i, carry):
@@ -111,7 +114,7 @@ def paged_attention_tiled(q, k_cache, v_cache, layer, block_tables, token_seq, p
         if softcap:
             s = jnp.tanh(s / softcap) * softcap
         kpos = (cols[:, None] * BS + jnp.arange(BS)[None, :]).reshape(span)
-        ok = kpos[None, None, :] <= pos[:, :, None]
+        ok = kpos[None, None, :] <= lim[:, :, None]
         ok &= (window <= 0) | (kpos[None, None, :] > pos[:, :, None] - window)
         return _online_update(m, l, acc, s, ok[:, :, None, None, :], v,
                               lambda p, v: jnp.einsum("nqkgs,nskd->nqkgd", p, v))
