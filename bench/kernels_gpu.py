@@ -152,7 +152,30 @@ def run_checks(quick, rows):
                 print(f"{name:40s} {impl:24s} ERROR {type(e).__name__}: {str(e)[:800]}", flush=True)
                 rows.append(dict(kind="check", case=name, impl=impl, error=f"{type(e).__name__}: {e}"[:400]))
         del c
+    run_limit_checks(quick, rows)
     run_fused_checks(quick, rows)
+
+
+def run_limit_checks(quick, rows):
+    """Gemma 3's image rows: per-token key limits (a run sees its own last position) in the prefill
+    kernel against the reference with the same limits."""
+    case = check_cases(quick)[0 if quick else 3]
+    name, c, kw = case
+    lo, hi = (30, 35) if quick else (100, 355)
+    pos, seq = np.asarray(c["pos"]), np.asarray(c["seq"])
+    lim = np.where((seq == 0) & (pos >= lo) & (pos <= hi), hi, pos)
+    kw = dict(kw, limits=jnp.asarray(lim, jnp.int32))
+    want = oracle(c, **kw)
+    try:
+        err, finite = rel_err(call(IMPLS["pallas_triton_prefill"], c, **kw), want, c["real"])
+        ok = finite and err < 2e-2
+        print(f"{name + ' image-run limits':40s} {'pallas_triton_prefill':24s} rel err {err:.2e} finite {finite} "
+              f"{'OK' if ok else 'FAIL'}", flush=True)
+        rows.append(dict(kind="check", case=name + " limits", impl="pallas_triton_prefill", rel_err=err,
+                         finite=finite, ok=ok))
+    except Exception as e:
+        print(f"{name} limits: ERROR {type(e).__name__}: {str(e)[:800]}", flush=True)
+        rows.append(dict(kind="check", case=name + " limits", impl="pallas_triton_prefill", error=str(e)[:400]))
 
 
 def run_fused_checks(quick, rows):

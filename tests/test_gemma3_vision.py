@@ -160,3 +160,20 @@ def test_chunk_size_must_hold_an_image(g3_dir):
     with pytest.raises(ConfigError, match="at least"):
         LLM(str(g3_dir), max_model_len=256, max_num_seqs=2, prefill_chunk_size=2, block_size=4, min_token_bucket=2,
             attn_tile=2)
+
+
+def test_pallas_attention_engine_matches_transformers(g3_dir, hf, tmp_path):
+    """The GPU's attention path (the Pallas prefill kernel with per-token key limits, in the interpreter
+    here) through the engine: the same prompt log-probabilities as transformers."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    ecfg = EngineConfig(max_model_len=256, max_num_seqs=2, prefill_chunk_size=16, block_size=4, num_blocks=80,
+                        scan_layers=False, compile_cache_dir=str(tmp_path / "cache"))
+    llm = LLM.from_engine(LLMEngine(str(g3_dir), engine_config=ecfg, attention="pallas_triton", warmup=False))
+    img = _img(11)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}},
+                       SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    want = _hf_logprobs(hf, ids, [img])[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose(np.array([lp for lp, _ in out.prompt_logprobs[1:]]), want, atol=2e-4, rtol=0)

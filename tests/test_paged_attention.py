@@ -182,6 +182,39 @@ def test_tiled_prefill_region_matches_oracle(window, softcap):
     assert np.isfinite(np.asarray(got)).all()
 
 
+LIMIT_IMPLS = {"reference": lambda *a, **k: ref.paged_attention(*a, **k),
+               "reference_tiled": lambda *a, **k: ref.paged_attention_tiled(*a, tile=1, blocks_per_iter=2, **k),
+               "pallas_triton_prefill": IMPLS["pallas_triton_prefill"]}
+
+
+@pytest.mark.parametrize("impl", sorted(LIMIT_IMPLS))
+@pytest.mark.parametrize("window", [0, 5])
+def test_image_rows_see_their_whole_run(impl, window):
+    """Per-token key limits (Gemma 3's image rows): rows of a run see every key up to the run's last one,
+    the sliding window still counted from their own position; other tokens stay causal."""
+    rng = np.random.default_rng(6)
+    c = _case(rng, lens=[30, 19, 9], new=[20, 12, 1])
+    runs = [(0, 14, 22), (1, 9, 13)]  # (sequence, first, last position of an image run)
+    lim = np.asarray(c["positions"]).copy()
+    for i, lo, hi in runs:
+        rows = (np.asarray(c["token_seq"]) == i) & (lim >= lo) & (lim <= hi)
+        lim[rows] = hi
+    got = LIMIT_IMPLS[impl](c["q"], c["k_cache"], c["v_cache"], c["layer"], c["tables"], c["token_seq"],
+                            c["positions"], scale=0.3, window=window, limits=jnp.asarray(lim, jnp.int32))
+    outs, t = [], 0
+    for i, (n, m) in enumerate(zip(c["lens"], c["new"])):
+        blocks = c["tables"][i, : -(-n // c["BS"])]
+        k = c["k_cache"][c["layer"], blocks].reshape(-1, *c["k_cache"].shape[3:])[:n]
+        v = c["v_cache"][c["layer"], blocks].reshape(-1, *c["v_cache"].shape[3:])[:n]
+        outs.append(ref.dense_attention(c["q"][t:t + m], k, v, scale=0.3, window=window, q_offset=n - m,
+                                        limits=lim[t:t + m]))
+        t += m
+    want = np.asarray(jnp.concatenate(outs))
+    np.testing.assert_allclose(np.asarray(got), want, atol=TOL, rtol=TOL)
+    causal = np.asarray(_oracle(c, 0.3, window, None))
+    assert np.abs(causal - want).max() > 0.1  # the limits change the image rows
+
+
 @pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="CPU kernel")
 def test_cpu_native_is_the_custom_call_not_the_fallback():
     import shutil

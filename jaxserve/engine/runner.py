@@ -156,9 +156,7 @@ class ModelRunner:
         mod = getattr(base, "__module__", "") or ""
         if name is None and mod.startswith(pa.__name__ + "."):
             name = mod.rsplit(".", 1)[1]
-        # Gemma 3's image rows see their whole run: only the reference's tiled variant takes such limits
-        bidir = vision is not None and vision.cfg.gemma3
-        self.attention_tiled = pa.get_tiled("reference" if bidir else name or "reference", ecfg.attn_tile)
+        self.attention_tiled = pa.get_tiled(name or "reference", ecfg.attn_tile)
         self.scan_layers = platform == "cpu" if ecfg.scan_layers is None else ecfg.scan_layers
         # Fused residual add + RMSNorm: one kernel instead of XLA's 2-3 per norm on a GPU (one device:
         # the Pallas call is not partitioned over a mesh).

@@ -143,7 +143,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         # query tiles (keys gathered once per tile).
         args = (k_cache, v_cache, c["index"], batch["block_tables"])
         attention, tiled = attention
-        # Gemma 3's image rows attend to their whole run (the runner's limits; tiled: the reference then)
+        # Gemma 3's image rows attend to their whole run (the runner's per-token key limits)
         lim = {"limits": batch["attn_limit"][D:]} if "attn_limit" in batch else {}
         o = jnp.concatenate([
             attention(q[:D], *args, batch["token_seq"][:D], batch["positions"][:D], **kw),

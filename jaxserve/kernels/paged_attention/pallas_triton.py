@@ -264,8 +264,12 @@ def merge_splits(o, m, l, window, positions, *, num_heads, N, min_tiles, dtype, 
 
 
 # --------------------------------------------------------------------------------------------- prefill
-def _prefill_kernel(layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_ref, q_ref, k_ref,
-                    v_ref, o_ref, *, scale, softcap, G, Gp, D, Dp, BS, MB, N, BQ, T):
+def _prefill_kernel(*refs, scale, softcap, G, Gp, D, Dp, BS, MB, N, BQ, T, has_limits):
+    # has_limits (static): a last-visible-key position per token follows the positions (Gemma 3's images)
+    if has_limits:
+        layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_ref, lim_ref, q_ref, k_ref, v_ref, o_ref = refs
+    else:
+        layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_ref, q_ref, k_ref, v_ref, o_ref = refs
     i, h = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     window = window_ref[0]
@@ -287,7 +291,8 @@ def _prefill_kernel(layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_r
         q = jnp.where(dmask[None, :], q_ref[tc[:, None], hq[:, None], dsl[None, :]], 0)
 
     qpos = jnp.where(valid, rpos, -1)
-    hi = jnp.max(qpos) + 1  # 0 when the tile is empty
+    qlim = jnp.where(valid, lim_ref[tc], -1) if has_limits else qpos
+    hi = jnp.max(qlim) + 1  # 0 when the tile is empty
     big = jnp.int32(2**30)
     lo = jnp.where(window > 0, jnp.maximum(jnp.min(jnp.where(valid, rpos, big)) - window + 1, 0), 0)
     j0 = lo // N
@@ -297,7 +302,7 @@ def _prefill_kernel(layer_ref, window_ref, tiles_ref, tables_ref, seq_ref, pos_r
         kp, k, v = _load_tile(k_ref, v_ref, tables_ref, layer, seq, h, j, N=N, BS=BS, MB=MB, dsl=dsl,
                                  dtype=q_ref.dtype)
         s = _scores(q, k, scale, softcap)
-        ok = kp[None, :] <= qpos[:, None]
+        ok = kp[None, :] <= qlim[:, None]
         ok &= (window <= 0) | (kp[None, :] > qpos[:, None] - window)
         s = jnp.where(ok, s, -jnp.inf)
         return _online_update(carry, s, v)
@@ -326,7 +331,7 @@ def tile_starts(token_seq, block_q: int, num_seq_rows: int):
 
 
 def _prefill_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions, window, *, scale,
-                  softcap, block_q, block_k, num_warps, num_stages, interpret):
+                  softcap, block_q, block_k, num_warps, num_stages, interpret, limits=None):
     T, H, D = q.shape
     L, NB, BS, KV, _ = k_cache.shape
     S, MB = block_tables.shape
@@ -343,18 +348,19 @@ def _prefill_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions
     NT = tiles.shape[0]
 
     kernel = functools.partial(_prefill_kernel, scale=float(scale), softcap=softcap, G=G, Gp=Gp, D=D,
-                               Dp=Dp, BS=BS, MB=MB, N=N, BQ=BQ, T=T)
+                               Dp=Dp, BS=BS, MB=MB, N=N, BQ=BQ, T=T, has_limits=limits is not None)
+    lim = () if limits is None else (limits.astype(jnp.int32),)
     full = pl.BlockSpec()
     out = pl.pallas_call(
         kernel,
         grid=(NT, KV),
-        in_specs=[full] * 9,
+        in_specs=[full] * (9 + len(lim)),
         out_specs=full,
         out_shape=jax.ShapeDtypeStruct((T + BQ, KV, Gp, Dp), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
         name=f"paged_prefill_M{BQ * Gp}_N{N}",
-    )(layer, window, tiles, block_tables, token_seq, positions, q, k_cache, v_cache)
+    )(layer, window, tiles, block_tables, token_seq, positions, *lim, q, k_cache, v_cache)
     return out[:T, :, :G, :D].reshape(T, H, D)
 
 
@@ -362,8 +368,9 @@ def _prefill_call(q, k_cache, v_cache, layer, block_tables, token_seq, positions
 def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positions, *, scale,
                     window=0, softcap=None, mode=None, interpret=None, num_splits=None,
                     block_q=None, block_k=None, num_warps=None, num_stages=None,
-                    split_min_tiles=None):
+                    split_min_tiles=None, limits=None):
     """q [T, H, hd] -> [T, H, hd]; see the module docstring. mode: None (auto), 'decode', 'prefill'.
+    limits [T] (prefill only): the last key position each token sees (reference.paged_attention_tiled).
 
     Tuning (static): num_splits (decode; default from the SM count), split_min_tiles (decode: fewest
     key tiles per split), block_q (prefill: tokens per tile; rows = block_q x padded group), block_k
@@ -381,6 +388,8 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positio
         mode = "decode" if T <= block_tables.shape[0] else "prefill"
     softcap = float(softcap) if softcap else None
     args = (q, k_cache, v_cache, layer, block_tables, token_seq, positions, window)
+    if limits is not None and mode != "prefill":
+        raise ValueError("per-token key limits are a prefill-mode option")
     if mode == "decode":
         d = DECODE_TUNING
         return _decode_call(*args, scale=scale, softcap=softcap, num_splits=num_splits,
@@ -390,5 +399,5 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positio
     if mode == "prefill":
         return _prefill_call(*args, scale=scale, softcap=softcap, block_q=block_q, block_k=block_k,
                              num_warps=num_warps or 4, num_stages=num_stages or 2,
-                             interpret=interpret)
+                             interpret=interpret, limits=limits)
     raise ValueError(f"unknown mode {mode!r}")

@@ -48,7 +48,7 @@ def _online_update(m, l, acc, s, ok, v, pv):
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positions, *, scale,
-                    window=0, softcap=None, blocks_per_iter=8):
+                    window=0, softcap=None, blocks_per_iter=8, limits=None):
     """q [T, H, hd] -> [T, H, hd] (q's dtype).
 
     block_tables [S, MB] int32; token_seq [T]; positions [T]; window: int or traced int32 scalar
@@ -57,11 +57,12 @@ def paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positio
     """
     return paged_attention_tiled(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
                                  scale=scale, window=window, softcap=softcap, tile=1,
-                                 blocks_per_iter=blocks_per_iter)
+                                 blocks_per_iter=blocks_per_iter, limits=limits)
 
 
-def dense_attention(q, k, v, *, scale, window=0, softcap=None, q_offset=0):
-    """Oracle for tests: one sequence, contiguous k/v [N, KV, hd], queries at positions q_offset + i."""
+def dense_attention(q, k, v, *, scale, window=0, softcap=None, q_offset=0, limits=None):
+    """Oracle for tests: one sequence, contiguous k/v [N, KV, hd], queries at positions q_offset + i
+    (limits [T]: the last key each query sees, default its own position)."""
     T, H, D = q.shape
     N, KV = k.shape[0], k.shape[1]
     G = H // KV
@@ -71,7 +72,7 @@ def dense_attention(q, k, v, *, scale, window=0, softcap=None, q_offset=0):
         s = jnp.tanh(s / softcap) * softcap
     qpos = q_offset + jnp.arange(T)
     kpos = jnp.arange(N)
-    ok = kpos[None, :] <= qpos[:, None]
+    ok = kpos[None, :] <= (qpos if limits is None else jnp.asarray(limits))[:, None]
     if window:
         ok &= kpos[None, :] > qpos[:, None] - window
     s = jnp.where(ok[:, None, None, :], s, -jnp.inf)
