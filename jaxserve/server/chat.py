@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from aiohttp import web
 
@@ -15,13 +14,66 @@ from jaxserve.server.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComple
                                       ChatCompletionResponse, ChatMessageOut, check_unsupported, dump,
                                       parse_request)
 from jaxserve.server.sampling import chat_params
-from jaxserve.server.streaming import SSEWriter, is_disconnect
+from jaxserve.server.streaming import SSEWriter, failed
 
-log = logging.getLogger("jaxserve.server")
+@dataclasses.dataclass
+class ChatRun:
+    """A submitted chat generation and how its replies are read (shared with server/responses.py)."""
+
+    gen: Generation
+    model: str
+    funcs: list[dict] | None
+    one_call: bool
+    forced: str | None
+    parser: str | None
+
+    def reply(self, c) -> tuple[str | None, str | None, list[dict], str | None]:
+        """(reasoning, content, tool calls, finish_reason) of a finished choice."""
+        thought, text = reasoning.split(self.parser, c.full_text) if self.parser else (None, c.full_text)
+        if self.forced:
+            calls = tools.parse_forced(text or "", self.forced)
+            content = None if calls else text  # a "required" reply cut before its first call ended
+        else:
+            content, calls = tools.parse(text, self.funcs) if self.funcs and text is not None else (text, [])
+        calls = calls[:1] if self.one_call else calls
+        # a call cut off by max_tokens says so ("length"): its arguments are incomplete JSON
+        return thought, content, calls, "tool_calls" if calls and c.finish_reason != "length" else c.finish_reason
+
+    def streamer(self):
+        return ReplyStream(self.funcs, self.one_call, self.forced, self.parser)
 
 
-async def chat_completions(request: web.Request, state, body) -> web.StreamResponse:
-    req = parse_request(ChatCompletionRequest, body)
+class ReplyStream:
+    """One choice's stream: each engine update's text split into reasoning and content, content that may be
+    a tool call held back, tool calls as OpenAI's deltas (server/tools.py)."""
+
+    def __init__(self, funcs, one_call: bool, forced: str | None, parser: str | None):
+        max_calls = 1 if one_call else None
+        self.funcs = funcs
+        self.holder = (tools.ForcedCallHolder(forced, max_calls) if forced else tools.StreamHolder(max_calls)) \
+            if funcs else None
+        self.splitter = reasoning.ReasoningSplitter(parser) if parser else None
+
+    def feed(self, text: str, finished: bool, finish_reason: str | None):
+        """(content, reasoning, tool-call deltas, finish_reason or None while going on)."""
+        thought = ""
+        if self.splitter:
+            thought, text = self.splitter.feed(text, final=finished)
+        calls = []
+        if self.holder:
+            text = self.holder.feed(text)
+            calls = self.holder.call_deltas(self.funcs)
+            if finished:
+                rest, more = self.holder.finish(self.funcs)
+                text, calls = (text or "") + rest, calls + more
+        fin = finish_reason if finished else None
+        if fin is not None and self.holder and self.holder.calls.made_calls and fin != "length":
+            fin = "tool_calls"  # a call cut off by max_tokens says "length": its arguments are incomplete
+        return text, thought, calls, fin
+
+
+async def start_chat(state, req: ChatCompletionRequest, id_prefix: str = "chatcmpl") -> ChatRun:
+    """Validate a chat request, build its prompt and submit it (errors are 4xx APIErrors)."""
     state.require_generative()
     check_unsupported(req)
     model = state.check_model(req.model)
@@ -40,38 +92,37 @@ async def chat_completions(request: web.Request, state, body) -> web.StreamRespo
         spec = dataclasses.replace(spec, after_reasoning=True)
     params = chat_params(state, req, spec)
     ids, mm = await chat_prompt(state, req.messages, req.add_generation_prompt, funcs, req.chat_template_kwargs)
-    gen = Generation(state, [Prompt(ids, mm=mm)], params, new_id("chatcmpl"), prompt_param="messages",
+    gen = Generation(state, [Prompt(ids, mm=mm)], params, new_id(id_prefix), prompt_param="messages",
                      lora=lora)
     gen.submit()
+    return ChatRun(gen, model, funcs, one_call, forced, parser)
+
+
+async def chat_completions(request: web.Request, state, body) -> web.StreamResponse:
+    req = parse_request(ChatCompletionRequest, body)
+    run = await start_chat(state, req)
+    gen = run.gen
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _stream(request, state, gen, model, include_usage, funcs, one_call, forced, parser)
+        return await _stream(request, state, run, include_usage)
     await gen.run()
-    want_lp = params.logprobs is not None
+    want_lp = gen.params.logprobs is not None
     choices = []
     for c in gen.choices:
-        thought, text = reasoning.split(parser, c.full_text) if parser else (None, c.full_text)
-        if forced:
-            calls = tools.parse_forced(text or "", forced)
-            content = None if calls else text  # a "required" reply cut before its first call ended
-        else:
-            content, calls = tools.parse(text, funcs) if funcs and text is not None else (text, [])
-        calls = calls[:1] if one_call else calls
+        thought, content, calls, finish = run.reply(c)
         choices.append(ChatChoice(
             index=c.index, message=ChatMessageOut(content=content, tool_calls=calls or None,
                                                   reasoning_content=thought),
             logprobs=ChatChoiceLogprobs(content=chat_logprobs(state, c.token_ids, c.logprobs)) if want_lp else None,
-            # a call cut off by max_tokens says so ("length"): its arguments are incomplete JSON
-            finish_reason="tool_calls" if calls and c.finish_reason != "length" else c.finish_reason))
-    resp = ChatCompletionResponse(id=gen.id, created=gen.created, model=model, choices=choices, usage=gen.usage())
+            finish_reason=finish))
+    resp = ChatCompletionResponse(id=gen.id, created=gen.created, model=run.model, choices=choices, usage=gen.usage())
     return web.json_response(dump(resp))
 
 
-async def _stream(request, state, gen: Generation, model: str, include_usage: bool,
-                  funcs: list[dict] | None = None, one_call: bool = False,
-                  forced: str | None = None, parser: str | None = None) -> web.StreamResponse:
+async def _stream(request, state, run: ChatRun, include_usage: bool) -> web.StreamResponse:
+    gen = run.gen
     want_lp = gen.params.logprobs is not None
-    base = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model}
+    base = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": run.model}
 
     def chunk(choices: list, usage=None) -> dict:
         d = dict(base, choices=choices)
@@ -87,13 +138,9 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
 
     w = SSEWriter(request)
     finished: set[int] = set()
-    # with tools: content is streamed until a call may have begun (server/tools.StreamHolder)
-    # a forced call (tool_choice "required" or named) streams no content; calls stream as they are written
-    max_calls = 1 if one_call else None
-    holders = {c.index: tools.ForcedCallHolder(forced, max_calls) if forced else tools.StreamHolder(max_calls)
-               for c in gen.choices} if funcs else {}
-    # with a reasoning parser: the thinking streams as reasoning_content, the rest as content
-    splitters = {c.index: reasoning.ReasoningSplitter(parser) for c in gen.choices} if parser else {}
+    # with tools: content is streamed until a call may have begun, calls as they are written; with a
+    # reasoning parser: the thinking streams as reasoning_content (ReplyStream)
+    streams = {c.index: run.streamer() for c in gen.choices}
 
     async def on_updates(updates) -> None:
         chunks = []
@@ -104,21 +151,11 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
             lp = None
             if want_lp and u.token_ids:
                 lp = {"content": chat_logprobs(state, u.token_ids, u.logprobs), "refusal": None}
-            text, thought = u.text or "", ""
-            if parser:
-                thought, text = splitters[idx].feed(text, final=u.finished)
-            text = holders[idx].feed(text) if funcs else text
-            calls = holders[idx].call_deltas(funcs) if funcs else []
-            if u.finished and funcs:
-                rest, more = holders[idx].finish(funcs)
-                text, calls = (text or "") + rest, calls + more
+            text, thought, calls, fin = streams[idx].feed(u.text or "", u.finished, u.choice.finish_reason)
             if not (text or thought or lp or calls or u.finished):
                 continue
-            fin = u.choice.finish_reason if u.finished else None
             if u.finished:
                 finished.add(idx)
-                if funcs and holders[idx].calls.made_calls and fin != "length":
-                    fin = "tool_calls"  # a call cut off by max_tokens says "length": its arguments are incomplete
             if text or thought or lp or (fin and not calls):
                 chunks.append(chunk([choice(idx, delta(text, thought), lp, None if calls else fin)]))
             if calls:
@@ -143,9 +180,4 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
         await w.send(tail)
         return await w.finish()
     except Exception as e:
-        if is_disconnect(e):
-            return w.resp  # the client left; Generation.run already aborted the request
-        if not w.resp.prepared:
-            raise
-        log.exception("chat stream %s failed", gen.id)  # headers are out: end the stream instead
-        return w.resp
+        return failed(w, e, f"chat stream {gen.id}")

@@ -7,7 +7,6 @@ internally for the prompt logprobs and thrown away; completion_tokens is 0).
 
 from __future__ import annotations
 
-import logging
 
 from aiohttp import web
 
@@ -18,10 +17,7 @@ from jaxserve.server.generation import (Choice, CompletionLogprobBuilder, Genera
 from jaxserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, check_unsupported,
                                       dump, parse_request)
 from jaxserve.server.sampling import completion_params, completion_prompts
-from jaxserve.server.streaming import SSEWriter, is_disconnect
-
-log = logging.getLogger("jaxserve.server")
-
+from jaxserve.server.streaming import SSEWriter, failed
 
 def _echo_text(state, p: Prompt) -> str:
     return p.text if p.text is not None else state.engine.tokenizer.decode(p.ids, skip_special_tokens=False)
@@ -146,9 +142,4 @@ async def _stream(request, state, gen: Generation, model: str, include_usage: bo
         await w.send(tail)
         return await w.finish()
     except Exception as e:
-        if is_disconnect(e):
-            return w.resp
-        if not w.resp.prepared:
-            raise
-        log.exception("completion stream %s failed", gen.id)
-        return w.resp
+        return failed(w, e, f"completion stream {gen.id}")

@@ -18,6 +18,7 @@ from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, T
                                       parse_request)
 from jaxserve.server.images import chat_prompt
 from jaxserve.server.lora import list_lora_adapters, load_lora_adapter, set_lora_adapters, unload_lora_adapter
+from jaxserve.server.responses import create_response, delete_response, get_response
 from jaxserve.server.sampling import check_ids
 
 STATE = web.AppKey("jaxserve_state", object)
@@ -136,8 +137,20 @@ def add_webui(app: web.Application) -> None:
     app.router.add_get("/webui/app.js", app_js)
 
 
+def _state_endpoint(fn):
+    """A handler without a body (GET, DELETE) that needs the loaded model."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        state.require_ready()
+        return await fn(request, state)
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
 def add_routes(app: web.Application) -> None:
     posts = {"/chat/completions": _json_endpoint(chat_completions),
+             "/responses": _json_endpoint(create_response),
              "/completions": _json_endpoint(completions),
              "/embeddings": _json_endpoint(embeddings),
              "/rerank": _json_endpoint(rerank),
@@ -149,10 +162,11 @@ def add_routes(app: web.Application) -> None:
              "/unload_lora_adapter": _json_endpoint(unload_lora_adapter),
              "/lora-adapters": _json_endpoint(set_lora_adapters)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics,
-            "/lora-adapters": lora_adapters}
+            "/lora-adapters": lora_adapters, "/responses/{response_id}": _state_endpoint(get_response)}
     for prefix in ("/v1", ""):
         for path, h in posts.items():
             app.router.add_post(prefix + path, h)
         for path, h in gets.items():
             app.router.add_get(prefix + path, h)
+        app.router.add_delete(prefix + "/responses/{response_id}", _state_endpoint(delete_response))
     app.router.add_post("/v2/rerank", _json_endpoint(rerank))  # Cohere's v2 path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -37,6 +38,8 @@ class ServerState:
         self.defaults: dict = {}
         self.metrics = Metrics(self._engine_stats)
         self._token_text: dict[int, str] = {}
+        # /v1/responses kept for previous_response_id and GET (server/responses.py): id -> entry, oldest first
+        self.responses: collections.OrderedDict = collections.OrderedDict()
 
     def _engine_stats(self) -> dict | None:
         if self.aengine is not None:

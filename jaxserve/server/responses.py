@@ -1,0 +1,457 @@
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
+
+A request is translated into a chat request (server/chat.py does the rest: template, tools, structured
+output, reasoning split): `instructions` and `input` (a string, or items: messages with input_text /
+input_image / output_text parts, function_call and function_call_output items) become chat messages,
+function tools ({"type": "function", "name", "parameters"}) and tool_choice take chat's shape, and
+`text.format` becomes response_format. The reply comes back as output items (reasoning, message with
+output_text, function_call) with the Responses usage; streamed as OpenAI's named events
+(response.created ... response.output_text.delta ... response.completed). With `store` (the default, as
+OpenAI's) the conversation is kept in memory (the last MAX_STORED responses), so `previous_response_id`
+continues it and GET returns it.
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from jaxserve.server.chat import ChatRun, start_chat
+from jaxserve.server.errors import APIError, bad_request
+from jaxserve.server.generation import chat_logprobs
+from jaxserve.server.protocol import ChatCompletionRequest, _Req, parse_request
+from jaxserve.server.streaming import SSEWriter, failed
+
+MAX_STORED = 1000
+
+
+class ResponsesRequest(_Req):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: nothing is obfuscated
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # effort/summary: the model thinks as its template says
+    store: bool | None = None
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+    max_tool_calls: int | None = None
+    metadata: dict[str, str] | None = None
+    # accepted and ignored, as on the chat endpoint
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    # vLLM's sampling extensions
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    structured_outputs: Any = None  # vLLM's {"json" | "regex" | "choice" | "grammar": ...}
+    # not implemented: refused when set
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+
+# chat request fields (errors from server/chat.py) -> the Responses fields they came from
+_CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+                "logprobs": "include", "top_logprobs": "top_logprobs"}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------------------------------ request
+def _part(p: Any, where: str, role: str) -> dict:
+    if not isinstance(p, dict):
+        raise bad_request(f"{where} must be a content part object", where)
+    kind = p.get("type")
+    if kind in ("input_text", "output_text", "text"):
+        if not isinstance(p.get("text"), str):
+            raise bad_request(f"{where}.text must be a string", f"{where}.text")
+        return {"type": "text", "text": p["text"]}
+    if kind == "input_image" and role == "user":
+        url = p.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{where}: an input_image needs an image_url (a data: or http(s) URL; file_id "
+                              "is not supported)", f"{where}.image_url")
+        return {"type": "image_url", "image_url": {"url": url}}
+    raise bad_request(f"{where}: content parts of type {kind!r} are not supported here (input_text, "
+                      "input_image in user messages, output_text)", f"{where}.type")
+
+
+def _messages(items: str | list, where: str = "input") -> list[dict]:
+    """Responses input -> chat messages (function calls grouped into one assistant message)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, it in enumerate(items):
+        w = f"{where}[{i}]"
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"{w}.role must be user, assistant, system or developer", f"{w}.role")
+            content = it.get("content")
+            if isinstance(content, list):
+                content = [_part(p, f"{w}.content[{j}]", role) for j, p in enumerate(content)]
+                if all(p["type"] == "text" for p in content):
+                    content = "".join(p["text"] for p in content)
+            elif not isinstance(content, str):
+                raise bad_request(f"{w}.content must be a string or a list of content parts", f"{w}.content")
+            out.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "function_call":
+            for k in ("call_id", "name", "arguments"):
+                if not isinstance(it.get(k), str):
+                    raise bad_request(f"{w}.{k} must be a string", f"{w}.{k}")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = it.get("output")
+            if isinstance(output, list):  # content parts: their text
+                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            if not isinstance(it.get("call_id"), str) or not isinstance(output, str):
+                raise bad_request(f"{w} needs call_id and output strings", w)
+            out.append({"role": "tool", "tool_call_id": it["call_id"], "content": output})
+        elif kind == "reasoning":
+            continue  # earlier thinking is not shown to the model again (as chat templates drop it)
+        else:
+            raise bad_request(f"{w}: input items of type {kind!r} are not supported (message, function_call, "
+                              "function_call_output, reasoning)", f"{w}.type")
+    return out
+
+
+def _tools(tools: list | None) -> list | None:
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        if t.get("type") != "function":
+            raise bad_request(f"tools[{i}]: tools of type {t.get('type')!r} are not supported (function tools only)",
+                              f"tools[{i}].type")
+        unknown = set(t) - {"type", "name", "description", "parameters", "strict"}
+        if unknown:
+            raise bad_request(f"tools[{i}] has unknown fields {sorted(unknown)}", f"tools[{i}]")
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                      if t.get(k) is not None}})
+    return out
+
+
+def _tool_choice(tc: Any) -> Any:
+    if isinstance(tc, dict):
+        if tc.get("type") != "function" or set(tc) - {"type", "name"} or not isinstance(tc.get("name"), str):
+            raise bad_request("a named tool_choice must be {\"type\": \"function\", \"name\": ...}", "tool_choice")
+        return {"type": "function", "function": {"name": tc["name"]}}
+    return tc
+
+
+def _response_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object like {\"type\": \"json_schema\", ...}", "text.format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    raise bad_request(f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                      "text.format")
+
+
+def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request of a Responses request, and the conversation so far (for the store)."""
+    for f in ("background", "conversation", "prompt"):
+        if getattr(req, f) not in (None, False):
+            raise bad_request(f"'{f}' is not supported by this server", f, "unsupported_parameter")
+    if req.truncation not in (None, "disabled", "auto"):
+        raise bad_request("truncation must be \"auto\" or \"disabled\"", "truncation")
+    history: list[dict] = []
+    if req.previous_response_id is not None:
+        prev = _store(state).get(req.previous_response_id)
+        if prev is None:
+            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                           "previous_response_id", "previous_response_not_found")
+        history = list(prev["conversation"])
+    convo = history + _messages(req.input)
+    msgs = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + convo
+    want_lp = "message.output_text.logprobs" in (req.include or [])
+    body = {"model": req.model, "messages": msgs, "stream": bool(req.stream),
+            "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
+            "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+            "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
+            "structured_outputs": req.structured_outputs,
+            "logprobs": True if want_lp else None, "top_logprobs": req.top_logprobs if want_lp else None}
+    body = {k: v for k, v in body.items() if v is not None}
+    return parse_request(ChatCompletionRequest, body), convo
+
+
+def _store(state) -> collections.OrderedDict:
+    return state.responses
+
+
+# ----------------------------------------------------------------------------------------- response
+def _envelope(req: ResponsesRequest, rid: str, created: int, model: str) -> dict:
+    """The response object's fields that do not depend on the reply."""
+    return {"id": rid, "object": "response", "created_at": created, "status": "in_progress", "error": None,
+            "incomplete_details": None, "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "model": model, "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": req.store is not False, "temperature": req.temperature,
+            "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
+            "top_p": req.top_p, "truncation": req.truncation or "disabled", "usage": None, "user": req.user,
+            "metadata": req.metadata or {}}
+
+
+def _usage(gen) -> dict:
+    u = gen.usage()
+    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.total_tokens}
+
+
+def _reasoning_item(iid: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": iid, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _message_item(iid: str, text: str, status: str, logprobs: list) -> dict:
+    return {"type": "message", "id": iid, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]}
+
+
+def _call_item(iid: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": iid, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _responses_logprobs(entries: list[dict]) -> list[dict]:
+    """Chat's logprob entries in the Responses shape (no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
+                              for t in e["top_logprobs"]]} for e in entries]
+
+
+def _finish(resp: dict, finish_reason: str | None, usage: dict) -> dict:
+    incomplete = finish_reason == "length"
+    return dict(resp, status="incomplete" if incomplete else "completed", usage=usage,
+                incomplete_details={"reason": "max_output_tokens"} if incomplete else None)
+
+
+def _remember(state, req: ResponsesRequest, resp: dict, convo: list[dict], content, calls) -> None:
+    if req.store is False:
+        return
+    reply = {"role": "assistant", "content": content}
+    if calls:
+        reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    st = _store(state)
+    st[resp["id"]] = {"response": resp, "conversation": convo + [reply]}
+    while len(st) > MAX_STORED:
+        st.popitem(last=False)
+
+
+async def create_response(request: web.Request, state, body) -> web.StreamResponse:
+    req = parse_request(ResponsesRequest, body)
+    try:
+        chat_req, convo = _chat_request(state, req)
+        run = await start_chat(state, chat_req, id_prefix="resp")
+    except APIError as e:  # the chat request's field names, in this API's terms
+        if e.param:
+            head = e.param.split("[", 1)[0].split(".", 1)[0]
+            e.param = _CHAT_PARAMS.get(head, e.param)
+        raise
+    resp = _envelope(req, "resp_" + run.gen.id.split("-", 1)[1], run.gen.created, run.model)
+    if req.stream:
+        return await _stream(request, state, req, run, resp, convo)
+    gen = run.gen
+    await gen.run()
+    (c,) = gen.choices
+    thought, content, calls, finish = run.reply(c)
+    status = "incomplete" if finish == "length" else "completed"
+    lps = _responses_logprobs(chat_logprobs(state, c.token_ids, c.logprobs)) if gen.params.logprobs is not None else []
+    output = [_reasoning_item(_id("rs"), thought, status)] if thought else []
+    if content is not None or not calls:
+        output.append(_message_item(_id("msg"), content or "", status, lps))
+    out_calls = [_call_item(_id("fc"), k["id"], k["function"]["name"], k["function"]["arguments"], "completed")
+                 for k in calls]
+    resp = _finish(dict(resp, output=output + out_calls), finish, _usage(gen))
+    _remember(state, req, resp, convo, content, out_calls)
+    return web.json_response(resp)
+
+
+async def get_response(request: web.Request, state) -> web.Response:
+    rid = request.match_info["response_id"]
+    entry = _store(state).get(rid)
+    if entry is None:
+        raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
+    return web.json_response(entry["response"])
+
+
+async def delete_response(request: web.Request, state) -> web.Response:
+    rid = request.match_info["response_id"]
+    if _store(state).pop(rid, None) is None:
+        raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
+    return web.json_response({"id": rid, "object": "response", "deleted": True})
+
+
+# ---------------------------------------------------------------------------------------- streaming
+class _EventStream:
+    """The Responses events of one streamed reply: items opened as their first piece arrives and closed in
+    order (a reasoning item, a message, function calls)."""
+
+    def __init__(self, resp: dict):
+        self.resp, self.seq, self.output = resp, 0, []
+        self.open: dict | None = None  # the item being written: {"kind", "index", "item", "text"}
+        self.calls: dict[int, dict] = {}  # tool-call index -> its open item
+
+    def event(self, kind: str, **fields) -> dict:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def _open(self, kind: str, item: dict) -> list[dict]:
+        evs = self._close()
+        self.open = {"kind": kind, "index": len(self.output), "item": item, "text": "", "logprobs": []}
+        self.output.append(item)
+        evs.append(self.event("response.output_item.added", output_index=self.open["index"], item=item))
+        if kind == "message":
+            evs.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open["index"],
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                         "logprobs": []}))
+        return evs
+
+    def _close(self, status: str = "completed") -> list[dict]:
+        o, self.open = self.open, None
+        if o is None:
+            return []
+        i, iid, text = o["index"], o["item"]["id"], o["text"]
+        if o["kind"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": o["logprobs"]}
+            item = _message_item(iid, text, status, o["logprobs"])
+            evs = [self.event("response.output_text.done", item_id=iid, output_index=i, content_index=0, text=text,
+                              logprobs=o["logprobs"]),
+                   self.event("response.content_part.done", item_id=iid, output_index=i, content_index=0, part=part)]
+        else:
+            item = _reasoning_item(iid, text, status)
+            evs = [self.event("response.reasoning_text.done", item_id=iid, output_index=i, content_index=0, text=text)]
+        self.output[i] = item
+        return evs + [self.event("response.output_item.done", output_index=i, item=item)]
+
+    def text(self, kind: str, piece: str, logprobs: list) -> list[dict]:
+        evs = []
+        if self.open is None or self.open["kind"] != kind:
+            evs += self._open(kind, _message_item(_id("msg"), "", "in_progress", []) if kind == "message"
+                              else _reasoning_item(_id("rs"), "", "in_progress"))
+        o = self.open
+        o["text"] += piece
+        iid, i = o["item"]["id"], o["index"]
+        if kind == "message":
+            o["logprobs"] += logprobs
+            return evs + [self.event("response.output_text.delta", item_id=iid, output_index=i, content_index=0,
+                                     delta=piece, logprobs=logprobs)]
+        return evs + [self.event("response.reasoning_text.delta", item_id=iid, output_index=i, content_index=0,
+                                 delta=piece)]
+
+    def call(self, d: dict) -> list[dict]:
+        evs = []
+        k = d["index"]
+        if k not in self.calls:
+            evs += self._close()
+            item = _call_item(_id("fc"), d["id"], d["function"]["name"], "", "in_progress")
+            self.calls[k] = {"index": len(self.output), "item": item}
+            self.output.append(item)
+            evs.append(self.event("response.output_item.added", output_index=self.calls[k]["index"], item=item))
+        c = self.calls[k]
+        piece = d["function"].get("arguments") or ""
+        if piece:
+            c["item"]["arguments"] += piece
+            evs.append(self.event("response.function_call_arguments.delta", item_id=c["item"]["id"],
+                                  output_index=c["index"], delta=piece))
+        return evs
+
+    def finish(self, finish_reason: str | None, usage: dict) -> tuple[list[dict], dict]:
+        status = "incomplete" if finish_reason == "length" else "completed"
+        evs = self._close(status)
+        if not self.output:  # nothing was generated: an empty message, as a non-streamed reply has
+            evs += self._open("message", _message_item(_id("msg"), "", "in_progress", [])) + self._close(status)
+        for c in self.calls.values():
+            item = dict(c["item"], status="completed")
+            self.output[c["index"]] = item
+            evs += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=c["index"],
+                               arguments=item["arguments"], name=item["name"]),
+                    self.event("response.output_item.done", output_index=c["index"], item=item)]
+        resp = _finish(dict(self.resp, output=list(self.output)), finish_reason, usage)
+        evs.append(self.event("response.incomplete" if status == "incomplete" else "response.completed",
+                              response=resp))
+        return evs, resp
+
+
+async def _stream(request, state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: list) -> web.StreamResponse:
+    gen = run.gen
+    want_lp = gen.params.logprobs is not None
+    es = _EventStream(resp)
+    reply = run.streamer()
+    final: dict = {}
+
+    async def on_updates(updates) -> None:
+        evs = []
+        for u in updates:
+            lp = _responses_logprobs(chat_logprobs(state, u.token_ids, u.logprobs)) if want_lp and u.token_ids else []
+            text, thought, calls, fin = reply.feed(u.text or "", u.finished, u.choice.finish_reason)
+            if thought:
+                evs += es.text("reasoning", thought, [])
+            if text or (lp and not calls):
+                evs += es.text("message", text, lp)
+            for d in calls:
+                evs += es.call(d)
+            if u.finished:
+                done, final["resp"] = es.finish(fin, _usage(gen))
+                evs += done
+        await w.send_events(evs)
+
+    w = SSEWriter(request)
+    try:
+        await w.start()
+        await w.send_events([es.event("response.created", response=resp),
+                             es.event("response.in_progress", response=resp)])
+        try:
+            await gen.run(on_updates)
+        except APIError as e:
+            body = e.body()["error"]
+            await w.send_events([es.event("error", code=body.get("code"), message=body["message"],
+                                          param=body.get("param"))])
+            return await w.finish(done=False)
+        if "resp" in final:
+            out = final["resp"]["output"]
+            calls = [o for o in out if o["type"] == "function_call"]
+            msg = next((o for o in out if o["type"] == "message"), None)
+            content = msg["content"][0]["text"] if msg is not None else None
+            _remember(state, req, final["resp"], convo, content, calls)
+        return await w.finish(done=False)
+    except Exception as e:
+        return failed(w, e, f"responses stream {gen.id}")
+

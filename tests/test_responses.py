@@ -1,0 +1,230 @@
+"""/v1/responses (OpenAI's Responses API) end to end: the real `jaxserve run` server with the real SmolLM2
+GGUF, through the `openai` client (client.responses.create / .stream / .retrieve / .delete) and raw HTTP.
+Every response and stream event is validated against the openai package's own pydantic types; replies are
+compared with /v1/chat/completions given the same conversation."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from conftest import get_json, post_json
+
+pytestmark = pytest.mark.timeout(900)
+
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+
+
+@pytest.fixture(scope="module")
+def url(server_factory):
+    return server_factory("main").url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _valid(d: dict):
+    from openai.types.responses import Response
+
+    return Response.model_validate(d)
+
+
+def _chat_text(url: str, messages: list[dict], **kw) -> tuple[str, dict]:
+    status, r = post_json(f"{url}/v1/chat/completions", {"model": "smol", "messages": messages, "temperature": 0, **kw})
+    assert status == 200, r
+    return r["choices"][0]["message"]["content"], r
+
+
+def test_text_reply_equals_chat(url, client):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+    want, chat = _chat_text(url, msgs, max_tokens=24)
+    status, raw = post_json(f"{url}/v1/responses", {"model": "smol", "instructions": SYSTEM, "temperature": 0,
+                                                    "input": "What is the capital of France?",
+                                                    "max_output_tokens": 24})
+    assert status == 200, raw
+    r = _valid(raw)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == want
+    (msg,) = r.output
+    assert msg.type == "message" and msg.role == "assistant" and msg.content[0].type == "output_text"
+    assert r.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert r.usage.output_tokens == chat["usage"]["completion_tokens"]
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    fin = chat["choices"][0]["finish_reason"]
+    assert (r.status, r.incomplete_details and r.incomplete_details.reason) == \
+        (("incomplete", "max_output_tokens") if fin == "length" else ("completed", None))
+    # the openai client, with message items and a developer message
+    c = client.responses.create(model="smol", temperature=0, max_output_tokens=24, input=[
+        {"role": "developer", "content": SYSTEM},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}])
+    assert c.output_text == want
+    # a reply cut short is "incomplete"
+    r = client.responses.create(model="smol", input="Count from one to fifty.", max_output_tokens=4, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 4
+
+
+def _events(client, **kw) -> list:
+    from pydantic import TypeAdapter
+
+    from openai.types.responses import ResponseStreamEvent
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = list(client.responses.create(stream=True, **kw))
+    for e in events:  # every event as the openai package types it, required fields and all
+        adapter.validate_python(e.model_dump())
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def test_streamed_text(url, client):
+    kw = dict(model="smol", instructions=SYSTEM, input="Name a fruit that is yellow.", temperature=0,
+              max_output_tokens=64)
+    want = client.responses.create(**kw)
+    assert want.status == "completed"  # (the client's stream helper below wants response.completed)
+    events = _events(client, **kw)
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if want.status == "completed" else "response.incomplete"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == want.output_text
+    assert events[-1].response.output_text == want.output_text
+    assert events[-1].response.usage.output_tokens == want.usage.output_tokens
+    # the client's stream helper puts the events together
+    with client.responses.stream(**kw) as s:
+        assert s.get_final_response().output_text == want.output_text
+
+
+RESP_WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def _weather_items(city: str) -> list[dict]:
+    """tests/test_server.py's weather history as Responses input items (function_call and its output)."""
+    items = []
+    for i, (c, t) in enumerate([("Oslo", "12 C"), ("Rome", "25 C"), ("Lima", "18 C")]):
+        items += [{"role": "user", "content": f"Weather in {c}?"},
+                  {"type": "function_call", "call_id": f"call_{i}", "name": "get_weather",
+                   "arguments": json.dumps({"city": c})},
+                  {"type": "function_call_output", "call_id": f"call_{i}", "output": t},
+                  {"role": "assistant", "content": f"It is {t} in {c}."}]
+    return items + [{"role": "user", "content": f"Weather in {city}?"}]
+
+
+def test_function_calls(client):
+    kw = dict(model="smol", input=_weather_items("Paris"), tools=[RESP_WEATHER], temperature=0, max_output_tokens=40)
+    r = client.responses.create(**kw)
+    _valid(r.model_dump())
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_") and r.status == "completed"
+    # streamed: the call's item, its arguments in pieces, then done
+    events = _events(client, **kw)
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(added) == 1 and added[0].item.name == "get_weather" and len(pieces) > 1
+    assert json.loads("".join(pieces)) == {"city": "Paris"} == json.loads(done[0].arguments)
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    # the result goes back with previous_response_id; the model answers in text
+    follow = client.responses.create(model="smol", previous_response_id=r.id, tools=[RESP_WEATHER], temperature=0,
+                                     max_output_tokens=16, input=[{"type": "function_call_output",
+                                                                   "call_id": calls[0].call_id, "output": "21 C"}])
+    assert follow.output_text and not [o for o in follow.output if o.type == "function_call"]
+    # a forced call: always a function_call item
+    forced = client.responses.create(model="smol", input="What is the weather in Oslo?", tools=[RESP_WEATHER],
+                                     tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                     max_output_tokens=40)
+    (call,) = [o for o in forced.output if o.type == "function_call"]
+    assert isinstance(json.loads(call.arguments), dict)
+
+
+def test_structured_output(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.responses.create(model="smol", input="Invent a person.", temperature=0, max_output_tokens=60,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                                                 "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+
+
+def test_conversation_state(url, client):
+    """previous_response_id continues the stored conversation: the same reply as chat given the whole
+    history; GET returns a stored response, DELETE removes it, store=false keeps nothing."""
+    first = client.responses.create(model="smol", instructions=SYSTEM, input="My name is Ada and I bake rye bread.",
+                                    temperature=0, max_output_tokens=24)
+    second = client.responses.create(model="smol", instructions=SYSTEM, previous_response_id=first.id,
+                                     input="What is my name?", temperature=0, max_output_tokens=24)
+    want, _ = _chat_text(url, [{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": "My name is Ada and I bake rye bread."},
+                               {"role": "assistant", "content": first.output_text},
+                               {"role": "user", "content": "What is my name?"}], max_tokens=24)
+    assert second.output_text == want and second.previous_response_id == first.id
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == second.output_text
+    client.responses.delete(second.id)
+    status, err = get_json_status(f"{url}/v1/responses/{second.id}")
+    assert status == 404 and err["error"]["code"] == "not_found"
+    status, err = post_json(f"{url}/v1/responses", {"model": "smol", "input": "hi", "previous_response_id": second.id})
+    assert status == 404 and err["error"]["param"] == "previous_response_id"
+    gone = client.responses.create(model="smol", input="Hello", store=False, max_output_tokens=4)
+    assert get_json_status(f"{url}/v1/responses/{gone.id}")[0] == 404
+
+
+def get_json_status(u: str):
+    try:
+        return get_json(u)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"type": "file_search_call", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text.format"),
+    ({"input": "hi", "text": {"format": "json"}}, "text.format"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"input": "hi", "max_output_tokens": "ten"}, "max_output_tokens"),
+    ({}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+     "input"),  # a text-only model takes no images
+])
+def test_errors(url, body, param):
+    status, err = post_json(f"{url}/v1/responses", {"model": "smol", **body})
+    assert status == 400, err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["param"] == param, err
+
+
+def test_reasoning_item(client):
+    """The main server runs with --reasoning-parser qwen3: a reply forced (vLLM's structured_outputs regex)
+    to think first has a reasoning item before its message, streamed as reasoning_text deltas."""
+    import re
+
+    kw = dict(model="smol", input="Think, then answer: what is bread?", temperature=0, max_output_tokens=60,
+              extra_body={"structured_outputs": {"regex": r"<think>[a-z ]{3,40}</think>[A-Z][a-z ]{3,40}"}})
+    r = client.responses.create(**kw)
+    _valid(r.model_dump())
+    (thought, msg) = r.output
+    assert thought.type == "reasoning" and re.fullmatch(r"[a-z ]{3,40}", thought.content[0].text)
+    assert msg.type == "message" and re.fullmatch(r"[A-Z][a-z ]{3,40}", r.output_text)
+    events = _events(client, **kw)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.content[0].text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
