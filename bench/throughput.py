@@ -277,6 +277,7 @@ def main(argv=None):
             assert all(len(x.outputs[0].token_ids) == o for x in res)
             if r == 0:
                 print(f"# {n}x{i}x{o}: warm-up run (compiles) {time.perf_counter() - t:.1f}s", flush=True)
+                st0 = eng.stats() if args.speculative else {}  # the timed runs' counts are the differences
                 continue
             runs.append((tp - t0, t1 - tp))
             print(f"  run {r}: prefill {tp - t0:.3f}s, decode {t1 - tp:.3f}s", flush=True)
@@ -297,11 +298,16 @@ def main(argv=None):
                    prefill_s=pre, prefill_tok_s=n * i / pre,
                    decode_s=dec, decode_tok_s=(n * (o - 1) / dec) if o > 1 else None,
                    kv_dtype=args.kv_dtype, jax=jax.__version__, device=dev.device_kind)
-        if args.speculative:
-            st = eng.stats()
+        if args.speculative:  # over the timed runs
+            st = {k: v - st0.get(k, 0) for k, v in eng.stats().items() if isinstance(v, (int, float))}
             row.update(spec_draft_tokens=st.get("spec_draft_tokens"), spec_accepted_tokens=st.get("spec_accepted_tokens"))
-            print(f"# speculative (all runs so far): {row['spec_accepted_tokens']} of {row['spec_draft_tokens']} "
-                  "draft tokens accepted", flush=True)
+            print(f"# speculative ({args.runs} timed runs): {row['spec_accepted_tokens']} of {row['spec_draft_tokens']} "
+                  f"draft tokens accepted in {st['num_steps']} target steps", flush=True)
+            if "draft_fills" in st:  # where a draft model's time goes (host wall time)
+                row.update({k: v for k, v in st.items() if k.startswith("draft_")})
+                print(f"# draft model: {st['draft_fills']} fills, {st['draft_dispatches']} dispatches "
+                      f"({st['draft_catch_up_dispatches']} catch-up), {st['draft_fill_seconds']:.2f} s in fill "
+                      f"({st['draft_catch_up_seconds']:.2f} s catching up)", flush=True)
         rows.append(row)
         print(f"{row['workload']}: prefill {row['prefill_tok_s']:.0f} tok/s ({pre * 1e3:.1f} ms)"
               + (f"; decode {row['decode_tok_s']:.0f} tok/s aggregate ({dec / (o - 1) * 1e3:.1f} ms/step)"

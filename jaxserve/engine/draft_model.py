@@ -18,6 +18,8 @@ Host side (no JAX): the runner is the boundary to the device.
 
 from __future__ import annotations
 
+import time
+
 from jaxserve.engine.batch import ScheduledSeq, SchedulerOutput
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sequence import Sequence
@@ -40,6 +42,15 @@ class DraftProposer:
         # seq_id -> (tokens whose K/V the draft cache holds, the sequence's preemption count then)
         self._read: dict[int, tuple[int, int]] = {}
         self.num_dispatches = 0  # draft-model programs run (tests, stats)
+        self.num_fills = 0  # target steps with drafted items
+        self.catch_up_dispatches = 0
+        self.fill_seconds = 0.0  # host wall time in fill (the draft's programs run synchronously there)
+        self.catch_up_seconds = 0.0
+
+    def stats(self) -> dict:
+        return {"draft_fills": self.num_fills, "draft_dispatches": self.num_dispatches,
+                "draft_catch_up_dispatches": self.catch_up_dispatches,
+                "draft_fill_seconds": round(self.fill_seconds, 4), "draft_catch_up_seconds": round(self.catch_up_seconds, 4)}
 
     def forget(self, seq_id: int) -> None:
         self._read.pop(seq_id, None)
@@ -53,6 +64,8 @@ class DraftProposer:
         items = [s for s in sched.scheduled if s.draft]
         if not items:
             return
+        t0 = time.perf_counter()
+        self.num_fills += 1
         if len(self._read) > 4 * self.max_num_seqs:  # ended sequences the engine did not report
             live = {s.seq.seq_id for s in sched.scheduled}
             self._read = {k: v for k, v in self._read.items() if k in live}
@@ -65,6 +78,7 @@ class DraftProposer:
                                     output_token_ids=list(seq.output_token_ids), block_table=seq.block_table,
                                     row=seq.row, num_computed_tokens=min(self._known(seq), s.start)))
         first = self._catch_up(proxies)
+        self.catch_up_seconds += time.perf_counter() - t0
         drafts = [[t] for t in first]
         K = max(len(s.draft) for s in items)
         for p, t in zip(proxies, first):  # decode from the first draft token on
@@ -84,6 +98,7 @@ class DraftProposer:
         for s, d in zip(items, drafts):
             s.draft = tuple(t if 0 <= t < self.vocab_size else 0 for t in d[:len(s.draft)])
             self._read[s.seq.seq_id] = (s.start + 1, s.seq.num_preemptions)
+        self.fill_seconds += time.perf_counter() - t0
 
     def _catch_up(self, proxies: list[Sequence]) -> list[int]:
         """Feed each proxy's unread tokens through the draft model (mixed steps within the token budget);
@@ -105,6 +120,7 @@ class DraftProposer:
                 idx.append(i)
             res = self.runner.execute(out)
             self.num_dispatches += 1
+            self.catch_up_dispatches += 1
             for j, i in enumerate(idx):
                 ss = out.scheduled[j]
                 proxies[i].num_computed_tokens += ss.num_new

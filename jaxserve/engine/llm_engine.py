@@ -789,4 +789,5 @@ class LLMEngine:
             "num_preemptions": self.num_preemptions,
             "spec_draft_tokens": self.scheduler.spec_proposed,
             "spec_accepted_tokens": self.scheduler.spec_accepted,
+            **(self.drafter.stats() if self.drafter is not None else {}),
         }
