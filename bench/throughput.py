@@ -197,15 +197,18 @@ def main(argv=None):
     max_n = max(n for n, _, _ in wls)
     max_len = max(i + o for _, i, o in wls) + 16
     seq_buckets = tuple(sorted({1, *(n for n, _, _ in wls)}))
+    # One token bucket (the chunk) keeps the warm-up short; speculation's drafted steps are small mixed steps
+    # in the decode window, which that bucket would pad to a whole chunk each (session 22): all buckets then.
+    buckets = None if args.speculative else (args.chunk,)
     ecfg = EngineConfig(max_model_len=max_len, max_num_seqs=max_n, prefill_chunk_size=args.chunk,
-                        token_buckets=(args.chunk,), seq_buckets=seq_buckets, dtype=args.dtype,
+                        token_buckets=buckets, seq_buckets=seq_buckets, dtype=args.dtype,
                         decode_steps=max(ks), enable_prefix_cache=False, num_blocks=1,
                         int8_activations=args.int8_activations, kv_dtype=args.kv_dtype,
                         lora_modules=tuple((n, "random") for n in lm.lora_names),
                         num_speculative_tokens=args.speculative, speculative_model=args.draft)
     # workloads run one after another: the cache holds the largest one (not max_n sequences of max_len)
     need_blocks = max(n * -(-(i + o + 16) // ecfg.block_size) for n, i, o in wls) + 2
-    ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=(args.chunk,), seq_buckets=seq_buckets)
+    ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=buckets or ecfg.token_buckets, seq_buckets=seq_buckets)
     print(f"# KV cache: {need_blocks} blocks, {need_blocks * kv_bytes_per_block(lm.cfg, ecfg) / 2**30:.1f} GiB",
           flush=True)
     # Programs compile on first use (the warm-up run), not the whole default bucket set.
