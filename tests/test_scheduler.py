@@ -711,3 +711,29 @@ def test_sequence_token_slice():
     for a in range(8):
         for b in range(a, 10):
             assert seq.token_slice(a, b) == seq.all_token_ids[a:b], (a, b)
+
+
+def test_image_run_of_two_way_attention_is_one_chunk_and_does_not_starve():
+    """Gemma 3's image runs: a chunk stops before a run and the next holds all of it; that chunk goes before
+    the decodes (which fill the rest of the budget), else a run as long as the budget would wait for as
+    long as anyone decodes."""
+    from jaxserve.engine.multimodal import ImageInput, MultiModalPrompt
+
+    cfg, bm, sched = make({"prefill_chunk_size": 16})
+    runner = FakeRunner(bm)
+    a = seq(range(5), "a", max_tokens=60)
+    sched.add(a)
+    step(sched, runner)
+    img = seq(range(100, 140), "img", max_tokens=2)
+    img.mm = MultiModalPrompt(list(img.prompt_token_ids), [ImageInput(6, 16, None, b"x")], bidirectional=True)
+    sched.add(img)
+    chunks = []
+    while img.num_computed_tokens < 40:
+        out, _ = step(sched, runner)
+        got = {x.seq.request_id: x for x in out.scheduled}
+        if "img" in got:
+            chunks.append((got["img"].start, got["img"].num_new))
+        assert not a.is_finished, "the image run waited for the decodes to end"
+    assert chunks[:2] == [(0, 6), (6, 16)]  # before the run, then the whole run (a's decode sat out that step)
+    drain(sched, runner)
+    assert a.output_token_ids == expected_outputs(a, 60)

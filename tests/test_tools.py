@@ -241,3 +241,17 @@ def test_streamed_forced_calls(size):
     assert got == "" and [json.loads(c["arguments"]) for c in _merge(during + end)] == [{"city": "Oslo"}, {"city": "Rome"}]
     _, during, end = _stream_deltas(tools.ForcedCallHolder("required", max_calls=1), text, size)
     assert [json.loads(c["arguments"]) for c in _merge(during + end)] == [{"city": "Oslo"}]
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_long_streamed_arguments(size):
+    """A long argument (escaped quotes and backslashes, brackets inside strings) streams whole and exactly;
+    its scanner is kept between updates (it resumes where the last update stopped) and ends with the value."""
+    args = json.dumps({"path": "a.py", "content": 'x = "a\\\\b" {[}] \\n' * 300, "n": [1, {"k": None}]})
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ' + args + '}\n</tool_call>'
+    h = tools.StreamHolder()
+    _, during, end = _stream_deltas(h, text, size)
+    (call,) = _merge(during + end)
+    assert call["arguments"] == args and len(during) > 100
+    a = text.index(args)
+    assert h.calls.ends[a].end == a + len(args)

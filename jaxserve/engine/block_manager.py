@@ -217,6 +217,15 @@ class BlockManager:
             self.prefix_hits_tokens += cached
         return True
 
+    def undo_allocate_prompt(self, seq: Sequence) -> None:
+        """Undo allocate_prompt (the scheduler cannot run the first chunk this step after all): the blocks
+        released, the prefix-cache counters as before, seq as if never admitted."""
+        if self.enable_prefix_cache:
+            self.prefix_queries_tokens -= seq.num_tokens
+            self.prefix_hits_tokens -= seq.num_cached_tokens
+        self.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
     def can_append(self, seq: Sequence, n: int) -> bool:
         return self.blocks_needed(seq, n) <= self.num_free_blocks
 

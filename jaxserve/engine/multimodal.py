@@ -109,6 +109,11 @@ def chunk_end(mm: MultiModalPrompt | None, start: int, end: int) -> int:
     return end
 
 
+def at_run(mm: MultiModalPrompt | None, pos: int) -> bool:
+    """Whether a prefill chunk starting at pos must hold an image run to its end (chunk_end)."""
+    return mm is not None and mm.bidirectional and chunk_end(mm, pos, pos + 1) > pos + 1
+
+
 def block_extra(mm: MultiModalPrompt | None, lo: int, hi: int) -> bytes:
     """The hashes of the images whose placeholder runs overlap positions [lo, hi): mixed into that
     block's prefix-cache hash."""

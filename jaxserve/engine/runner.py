@@ -639,8 +639,8 @@ class ModelRunner:
         exe = self.compile(("vision", image.pixels.shape[-1]))
         if image.size_hw is None:
             return np.asarray(exe(self.vision.weights, image.pixels[None]))[0]
-        tiles = np.stack([np.asarray(exe(self.vision.weights, t[None]))[0] for t in image.pixels])
-        return self.vision.pack(tiles.astype(np.float32), image.size_hw)
+        outs = [exe(self.vision.weights, t[None]) for t in image.pixels]  # all dispatched, then one wait
+        return self.vision.pack(np.stack([np.asarray(o)[0] for o in outs]).astype(np.float32), image.size_hw)
 
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:

@@ -221,7 +221,16 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= cost(n)
 
-        # 1. decodes: one token each (budget >= max_num_seqs, so they always fit)
+        # 0. a prefill whose next chunk is a whole image run of two-way attention (Gemma 3) goes first: after the
+        #    decodes the budget left might never hold the run (it is checked to fit a whole step at start-up)
+        for seq in list(self.running):
+            if seq.status == SeqStatus.RUNNING and seq.is_prefill and multimodal.at_run(seq.mm, seq.num_computed_tokens):
+                n = whole_runs(seq, chunk(min(seq.num_tokens - seq.num_computed_tokens, self.bm.capacity(seq))))
+                if n > 0 and self.bm.can_append(seq, n):
+                    self.bm.append_slots(seq, n)
+                    put(seq, n)
+
+        # 1. decodes: one token each (budget >= max_num_seqs, so they always fit; after step 0, most)
         for seq in list(self.running):
             if seq.status != SeqStatus.RUNNING or seq.is_prefill or budget <= 0:
                 continue
@@ -263,8 +272,7 @@ class Scheduler:
                 break
             n = whole_runs(seq, chunk(seq.num_tokens - seq.num_computed_tokens))
             if n <= 0:  # its first chunk would cut an image run that the budget left cannot hold: next step
-                self.bm.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                self.bm.undo_allocate_prompt(seq)
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

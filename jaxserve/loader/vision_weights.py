@@ -108,17 +108,16 @@ def load_vision_weights(model_dir: str | Path, v: VisionConfig, dtype, files=Non
             if not is_vision_tensor(name):
                 continue
             ours, transpose = _target(name, v)
-            if ours is None:
+            if ours not in want:  # unused by this model's features (a tower's other tensors): not read
                 continue
             a = np.asarray(_map_tensor(path, start, name, info), np.float32)
             if ours == "patch":  # conv [D, C, p, p] -> [C*p*p, D] over (c, ph, pw) patches
                 a = a.reshape(a.shape[0], -1)
                 transpose = True
             a = a.T if transpose else a
-            if a.shape != want.get(ours, a.shape):
+            if a.shape != want[ours]:
                 raise SafetensorsError(f"vision tensor {name!r} has shape {a.shape}, expected {want[ours]}")
-            if ours in want:  # (a tower's tensors that this model's features do not read are dropped)
-                got[ours] = a
+            got[ours] = a
     missing = sorted(set(want) - set(got))
     if missing:
         raise SafetensorsError(f"llava checkpoint is missing {len(missing)} vision tensor(s): {', '.join(missing[:6])}")

@@ -230,13 +230,14 @@ class _CallStream:
     def __init__(self, forced: str | None, max_calls: int | None):
         self.forced, self.max_calls = forced, max_calls
         self.sent: list[int] = []  # characters of each begun call's arguments already sent
+        self.ends: dict[int, _ValueEnd] = {}  # the reply's JSON values, scanned as far as it has grown
 
     def _scan(self, text: str) -> list[tuple]:
         if self.forced and self.forced != "required":  # the whole reply is the named function's arguments
             i = _skip_ws(text, 0)
-            end = _end_of_value(text, i)
+            end = _end_of_value(text, i, self.ends)
             return [(i, self.forced, (i, len(text) if end is None else end) if i < len(text) else None, None)]
-        return _scan_calls(text)[:self.max_calls]
+        return _scan_calls(text, self.ends)[:self.max_calls]
 
     def deltas(self, text: str, funcs: list[dict]) -> list[dict]:
         names, out = {f["name"] for f in funcs}, []
@@ -305,37 +306,59 @@ def _end_of_string(s: str, i: int) -> int | None:
     return None
 
 
-def _end_of_value(s: str, i: int) -> int | None:
-    """The index after the JSON value starting at s[i]; None if s ends inside it. Not a validator:
-    json.loads judges the whole value later."""
-    if i >= len(s):
-        return None
-    if s[i] == '"':
-        return _end_of_string(s, i)
-    if s[i] in "{[":
-        depth = 0
-        while i < len(s):
-            if s[i] == '"':
-                j = _end_of_string(s, i)
-                if j is None:
-                    return None
-                i = j
-                continue
-            if s[i] in "{[":
-                depth += 1
-            elif s[i] in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
+class _ValueEnd:
+    """Where the JSON value starting at s[start] ends, found incrementally: a streamed reply only grows, so
+    each call reads only the characters added since the last (a long argument is not rescanned per update).
+    Not a validator: json.loads judges the whole value later."""
+
+    def __init__(self, start: int):
+        self.i, self.depth, self.in_str, self.esc, self.end, self.literal = start, 0, False, False, None, None
+
+    def scan(self, s: str) -> int | None:
+        """The index after the value in s (a prefix of every later s), or None while s ends inside it."""
+        i, n = self.i, len(s)
+        if self.end is not None or i >= n:
+            return self.end
+        if self.literal is None:
+            self.literal = s[i] not in "\"{["
+        while i < n:
+            c = s[i]
             i += 1
-        return None
-    j = i
-    while j < len(s) and s[j] not in ",}] \t\r\n":
-        j += 1
-    return j if j < len(s) else None
+            if self.literal:
+                if c in ",}] \t\r\n":
+                    self.end = i - 1
+                    break
+            elif self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+                    if self.depth == 0:
+                        self.end = i
+                        break
+            elif c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i
+                    break
+        self.i = i
+        return self.end
 
 
-def _scan_call(s: str, i: int) -> tuple:
+def _end_of_value(s: str, i: int, ends: dict | None) -> int | None:
+    """The index after the JSON value starting at s[i]; None if s ends inside it. ends: the scanners kept
+    between updates of one growing reply (start -> _ValueEnd), or None."""
+    sc = ends.setdefault(i, _ValueEnd(i)) if ends is not None else _ValueEnd(i)
+    return sc.scan(s)
+
+
+def _scan_call(s: str, i: int, ends: dict | None = None) -> tuple:
     """The call object starting at s[i] == '{', as far as s goes: (i, name, (args start, args stop), end);
     name None until its string is complete, args None until its value begins (stop: the value's end, or
     len(s) while it is open), end None while the object is open (or for good, when it is not JSON)."""
@@ -351,7 +374,7 @@ def _scan_call(s: str, i: int) -> tuple:
         if i >= len(s) or s[i] != ":":
             return start, name, args, None
         i = _skip_ws(s, i + 1)
-        end = _end_of_value(s, i)
+        end = _end_of_value(s, i, ends)
         if key in ("arguments", "parameters") and args is None and i < len(s):
             args = (i, len(s) if end is None else end)
         elif key == "name" and end is not None:
@@ -369,8 +392,9 @@ def _before_partial(text: str, marker: str) -> int:
     return len(text)
 
 
-def _scan_calls(text: str) -> list[tuple]:
-    """The call objects of a reply in any of `parse`'s formats, the last one possibly still open."""
+def _scan_calls(text: str, ends: dict | None = None) -> list[tuple]:
+    """The call objects of a reply in any of `parse`'s formats, the last one possibly still open (ends: as
+    for _end_of_value)."""
     out = []
     if HERMES_OPEN in text:
         i = text.find(HERMES_OPEN)
@@ -379,7 +403,7 @@ def _scan_calls(text: str) -> list[tuple]:
             if j >= len(text) or text[j] != "{":
                 break
             close = text.find(HERMES_CLOSE, j)
-            out.append(_scan_call(text[:close if close >= 0 else _before_partial(text, HERMES_CLOSE)], j))
+            out.append(_scan_call(text[:close if close >= 0 else _before_partial(text, HERMES_CLOSE)], j, ends))
             i = text.find(HERMES_OPEN, j)
         return out
     i = _skip_ws(text, 0)
@@ -392,7 +416,7 @@ def _scan_calls(text: str) -> list[tuple]:
         i = _skip_ws(text, i, " \t\r\n,;")
         if i >= len(text) or text[i] != "{":
             return out
-        out.append(_scan_call(text, i))
+        out.append(_scan_call(text, i, ends))
         if out[-1][3] is None:
             return out
         i = out[-1][3]
