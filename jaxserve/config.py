@@ -114,6 +114,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_size: int = 0
+    # Qwen2-VL / Qwen2.5-VL: multimodal RoPE. The rotary frequencies are split in these sections (in pairs,
+    # summing to head_dim / 2), rotated by a token's temporal, height and width position (models/transformer.py)
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -139,6 +142,11 @@ class ModelConfig:
             raise ConfigError("sliding layers need sliding_window")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(x) for x in self.mrope_section))
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2 or min(self.mrope_section) < 0:
+                raise ConfigError(f"mrope_section {list(self.mrope_section)} must be 3 sections summing to head_dim / 2 "
+                                  f"= {self.head_dim // 2}")
         if (self.arch in MOE_ARCHS) != (self.num_experts > 0):
             raise ConfigError(f"{self.arch}: num_experts {self.num_experts} (mixture-of-experts architectures "
                               f"{MOE_ARCHS} need experts, the others none)")

@@ -219,3 +219,54 @@ def make_tiny_llava(tmp_path, text_family: str = "llama", seed: int = 0, std: fl
 
     (out / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA_TEMPLATE}))  # where llava-hf has it
     return out
+
+
+QWEN_VL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+                    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+                    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+                    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% else %}{{ c['text'] }}{% endif %}"
+                    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+QWEN_VL_START, QWEN_VL_END, QWEN_VL_IMAGE = 256, 257, 258  # the byte tokenizer's added tokens
+
+
+def make_tiny_qwen_vl(tmp_path, kind: str = "qwen2_vl", seed: int = 0, std: float = 0.2) -> Path:
+    """A tiny random Qwen2VLForConditionalGeneration (kind "qwen2_vl") or Qwen2_5_VLForConditionalGeneration
+    ("qwen2_5_vl"): a vision tower of 3 blocks (width 32, 4 heads) on 7-pixel patches merged 2 x 2 into rows of
+    the 64-wide 2-layer language model (multimodal RoPE sections 2/3/3 of its 8 frequencies), Qwen2.5-VL with
+    28-pixel windows (2 x 2 merged cells) and full attention in block 1; images of 196 to 12,544 pixels (4 to
+    64 language-model tokens); a byte-level tokenizer whose "<|vision_start|>", "<|vision_end|>" and
+    "<|image_pad|>" are ids 256-258, a Qwen-style chat template and the (PIL) image processor."""
+    import json
+
+    import torch
+    import transformers as tf
+
+    from tiny_tokenizer import add_byte_tokenizer
+
+    torch.set_num_threads(1)
+    tf.utils.logging.disable_progress_bar()
+    text = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=None,
+                eos_token_id=263, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                   "rope_theta": 10000.0})
+    common = dict(depth=3, num_heads=4, patch_size=7, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    if kind == "qwen2_vl":
+        vision = dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+        cls, cfg_cls = tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLConfig
+    else:
+        vision = dict(common, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=28,
+                      fullatt_block_indexes=[1])
+        cls, cfg_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig
+    cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=QWEN_VL_IMAGE, video_token_id=259,
+                  vision_start_token_id=QWEN_VL_START, vision_end_token_id=QWEN_VL_END, eos_token_id=263)
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    _randomize(model, seed, std)
+    out = Path(tmp_path) / kind
+    model.save_pretrained(out)
+    tf.Qwen2VLImageProcessorPil(patch_size=7, merge_size=2, temporal_patch_size=2,
+                                size={"shortest_edge": 14 * 14, "longest_edge": 14 * 14 * 64}).save_pretrained(out)
+    add_byte_tokenizer(out, special=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_VL_TEMPLATE}))
+    return out

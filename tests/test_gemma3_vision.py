@@ -11,7 +11,7 @@ from hf_tiny import GEMMA3_BOI, GEMMA3_EOI, GEMMA3_IMAGE, make_tiny_gemma3_visio
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import multimodal
 from jaxserve.loader import image as image_mod
-from test_multimodal import _data_url, _serve_chat, no_compiles_while_serving  # noqa: F401 (an autouse fixture)
+from test_multimodal import no_compiles_while_serving, server_chat_equals_offline  # noqa: F401 (an autouse fixture)
 
 PROMPT = ("<start_of_turn>user\nHere is a picture of my garden in the late summer light:<start_of_image>"
           "What is in it?<end_of_turn>\n<start_of_turn>model\n")
@@ -141,17 +141,7 @@ def test_greedy_matches_transformers_batched(llm, hf):
 
 
 def test_server_chat_with_an_image(llm):
-    img = _img(9)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    offline = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
-                                                     {"type": "text", "text": "What is in it?"}]}], params)[0]
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(img)}},
-                                                      {"type": "text", "text": "What is in it?"}]}],
-            "temperature": 0, "max_tokens": 6, "ignore_eos": True}
-    ((status, r),) = _serve_chat(llm, [body])
-    assert status == 200, r
-    assert r["choices"][0]["message"]["content"] == offline.outputs[0].text
-    assert r["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
+    server_chat_equals_offline(llm, _img(9))
 
 
 def test_chunk_size_must_hold_an_image(g3_dir):

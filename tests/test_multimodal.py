@@ -239,6 +239,24 @@ def _data_url(img, fmt="PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def server_chat_equals_offline(llm, img, text="What is in it?", max_tokens=6):
+    """The server's chat reply to one image (a data: URL) and a text equals LLM.chat's (a PIL image); returns
+    the offline output."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    offline = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                                     {"type": "text", "text": text}]}], params)[0]
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(img)}},
+                                                      {"type": "text", "text": text}]}],
+            "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+    ((status, r),) = _serve_chat(llm, [body])
+    assert status == 200, r
+    assert r["choices"][0]["message"]["content"] == offline.outputs[0].text
+    assert r["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
+    return offline
+
+
 def test_chat_with_image_parts_equals_generate(llm):
     img = _img(14)
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(img)}},

@@ -737,3 +737,33 @@ def test_image_run_of_two_way_attention_is_one_chunk_and_does_not_starve():
     assert chunks[:2] == [(0, 6), (6, 16)]  # before the run, then the whole run (a's decode sat out that step)
     drain(sched, runner)
     assert a.output_token_ids == expected_outputs(a, 60)
+
+
+def test_waiting_request_at_an_image_run_after_a_cache_hit_does_not_starve():
+    """A new Gemma 3 request whose prefix-cache hit ends where an image run begins must take the whole run as
+    its first chunk: it is admitted before the decodes take the budget (else it waits for as long as anyone
+    decodes)."""
+    from jaxserve.engine.multimodal import ImageInput, MultiModalPrompt
+
+    cfg, bm, sched = make({"prefill_chunk_size": 16})
+    runner = FakeRunner(bm)
+
+    def image_seq(rid, image_hash):
+        s = seq(list(range(100, 108)) + [7] * 16 + list(range(200, 210)), rid, max_tokens=2)
+        s.mm = MultiModalPrompt(list(s.prompt_token_ids), [ImageInput(8, 16, None, image_hash)], bidirectional=True)
+        return s
+
+    first = image_seq("first", b"x")
+    sched.add(first)
+    drain(sched, runner)  # its blocks before the image (positions 0-7) stay cached
+    a = seq(range(5), "a", max_tokens=60)
+    sched.add(a)
+    step(sched, runner)
+    other = image_seq("other", b"y")  # the same text before another image: a hit of 8 tokens, then the run
+    sched.add(other)
+    out, _ = step(sched, runner)
+    got = {x.seq.request_id: x for x in out.scheduled}
+    assert "other" in got and (got["other"].start, got["other"].num_new) == (8, 16), "waited for the decodes"
+    assert other.num_cached_tokens == 8
+    drain(sched, runner)
+    assert a.output_token_ids == expected_outputs(a, 60) and other.is_finished

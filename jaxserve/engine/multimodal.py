@@ -30,6 +30,9 @@ class ImageInput:
     pixels: np.ndarray  # preprocessed [C, H, W] float32 (LLaVA-NeXT: its tiles [N, C, H, W])
     hash: bytes
     size_hw: tuple[int, int] | None = None  # LLaVA-NeXT: the image's size (its tiles' features are packed by it)
+    # Qwen2-VL: the image's token grid (rows, columns): its placeholder run is that grid row by row, and
+    # its multimodal RoPE positions come from it (rope_deltas)
+    grid: tuple[int, int] | None = None
 
 
 @dataclass
@@ -53,7 +56,8 @@ class MultiModalPrompt:
 def expand_placeholders(ids: list[int], prepared: list[tuple], image_token_id: int,
                         text: str | None = None) -> MultiModalPrompt:
     """Each lone image placeholder in ids becomes as many of them as its image has feature rows, one image
-    per placeholder in order. prepared: per image (pixels, feature rows, content hash, size or None)."""
+    per placeholder in order. prepared: per image (pixels, feature rows, content hash, size or None[, token
+    grid (Qwen2-VL)])."""
     where = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(where) != len(prepared):
         raise MultiModalError(f"the prompt has {len(where)} image placeholder token(s) (id {image_token_id}) "
@@ -61,9 +65,9 @@ def expand_placeholders(ids: list[int], prepared: list[tuple], image_token_id: i
     out: list[int] = []
     images = []
     prev = 0
-    for i, (px, n, h, hw) in zip(where, prepared):
+    for i, (px, n, h, hw, *grid) in zip(where, prepared):
         out += ids[prev:i]
-        images.append(ImageInput(len(out), n, px, h, hw))
+        images.append(ImageInput(len(out), n, px, h, hw, *grid))
         out += [image_token_id] * n
         prev = i + 1
     out += ids[prev:]
@@ -112,6 +116,33 @@ def chunk_end(mm: MultiModalPrompt | None, start: int, end: int) -> int:
 def at_run(mm: MultiModalPrompt | None, pos: int) -> bool:
     """Whether a prefill chunk starting at pos must hold an image run to its end (chunk_end)."""
     return mm is not None and mm.bidirectional and chunk_end(mm, pos, pos + 1) > pos + 1
+
+
+def rope_deltas(mm: MultiModalPrompt | None, start: int, n: int) -> np.ndarray:
+    """Multimodal RoPE (Qwen2-VL, transformers' get_rope_index): for positions [start, start + n), each
+    token's (temporal, height, width) rotary position minus its position, [3, n] int32. An image's run
+    starting at offset o (text before it offset by d) takes (o + d, o + d + row, o + d + column) of its
+    token grid; the text after it continues from o + d + max(rows, columns), so its offset grows by
+    max(rows, columns) - run length. Text-only prompts: zeros (plain RoPE)."""
+    out = np.zeros((3, n), np.int64)
+    if mm is None:
+        return out.astype(np.int32)
+    pos = np.arange(start, start + n)
+    d = 0
+    for im in mm.images:  # in prompt order: each image sets its run and everything after it
+        if im.grid is None:
+            continue
+        rows, cols = im.grid
+        lo, hi = im.offset, im.offset + im.length
+        inside = (pos >= lo) & (pos < hi)
+        k = pos[inside] - lo
+        first = lo + d
+        out[0, inside] = first - pos[inside]
+        out[1, inside] = first + k // cols - pos[inside]
+        out[2, inside] = first + k % cols - pos[inside]
+        d += max(rows, cols) - im.length
+        out[:, pos >= hi] = d
+    return out.astype(np.int32)
 
 
 def block_extra(mm: MultiModalPrompt | None, lo: int, hi: int) -> bytes:

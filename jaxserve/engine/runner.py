@@ -23,6 +23,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import step as step_mod
 from jaxserve.engine.batch import SchedulerOutput, StepResult
+from jaxserve.engine.multimodal import rope_deltas
 from jaxserve.engine.sampling_tensors import build_sampling_tensors
 from jaxserve.engine.speculative import agreeing
 from jaxserve.kernels.paged_attention import reference as attn_ref
@@ -300,8 +301,8 @@ class ModelRunner:
     def program_keys(self) -> list[tuple]:
         keys = [("decode", s) for s in self.ecfg.seq_buckets]
         keys += [("mixed", t) for t in self.ecfg.token_buckets]
-        if self.vision is not None:  # one image at a time, at the processor's fixed size
-            keys.append(("vision", self.vision.cfg.image_size))
+        if self.vision is not None:  # one image at a time (loader/vision_weights.VisionModel.program_sizes)
+            keys += [("vision", n) for n in self.vision.program_sizes()]
         return keys
 
     def _fn(self, key):
@@ -312,9 +313,7 @@ class ModelRunner:
                       # the Pallas expert kernels take whole arrays: XLA's path where the experts are sharded
                       moe_impl="xla" if self.mesh is not None else None, lora_adapters=self.num_adapters)
         if key[0] == "vision":
-            from jaxserve.models.clip_vision import image_features
-
-            return jax.jit(partial(image_features, self.vision.cfg))
+            return jax.jit(self.vision.program())
         if key[0] == "decode":
             f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps,
                         rope_attend=self.rope_attend, **common)
@@ -331,9 +330,7 @@ class ModelRunner:
     def _abstract_args(self, key) -> tuple:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
         if key[0] == "vision":
-            v = self.vision.cfg
-            return (jax.tree.map(spec, self.vision.weights),
-                    jax.ShapeDtypeStruct((1, v.num_channels, key[1], key[1]), jnp.float32))
+            return (jax.tree.map(spec, self.vision.weights), *self.vision.input_specs(key[1]))
         return (jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
                 jax.tree.map(spec, self.state), self._abstract_inputs(key))
 
@@ -471,6 +468,8 @@ class ModelRunner:
         if key[0] == "decode":
             base.update(token_ids=np.zeros(S, np.int32), positions=np.zeros(S, np.int32),
                         use_last=np.zeros(S, bool), num_steps=np.int32(1))
+            if self.cfg.mrope_section:  # multimodal RoPE: each row's offset of its 3-axis positions
+                base["rope_delta"] = np.zeros((3, S), np.int32)
             if self.num_adapters:
                 base["lora"] = np.zeros((S, self.num_adapters), np.float32)
             return base
@@ -488,6 +487,8 @@ class ModelRunner:
             base["want_verify"] = np.bool_(False)
             base["verify_len"] = np.zeros(S, np.int32)  # each drafted item's chunk rows (0: none)
         base["want_plp"] = np.bool_(False)
+        if self.cfg.mrope_section:  # multimodal RoPE: each token's 3-axis position minus its position
+            base["rope_delta"] = np.zeros((3, T), np.int32)
         if self.vision is not None:  # image features in place of placeholder embeddings (multimodal only)
             base["mm_embeds"] = np.zeros((T, self.cfg.hidden_size), jnp.dtype(self.ecfg.dtype))
             base["mm_mask"] = np.zeros(T, bool)
@@ -557,6 +558,8 @@ class ModelRunner:
                 else:
                     inp["token_ids"][i] = s.seq.token_at(s.start)
                 inp["positions"][i] = s.start
+                if "rope_delta" in inp and s.seq.mm is not None:
+                    inp["rope_delta"][:, i] = rope_deltas(s.seq.mm, s.start, 1)[:, 0]
                 if self.num_adapters:
                     for slot, scale in s.seq.lora_mix:
                         inp["lora"][i, slot - 1] = scale
@@ -584,6 +587,8 @@ class ModelRunner:
             inp["positions"][sl] = pos
             if "attn_limit" in inp:
                 inp["attn_limit"][sl] = pos
+            if "rope_delta" in inp and seq.mm is not None:
+                inp["rope_delta"][:, sl] = rope_deltas(seq.mm, s.start, s.num_new)
             inp["token_seq"][sl] = i
             if self.num_adapters:
                 for slot, scale in seq.lora_mix:
@@ -634,13 +639,8 @@ class ModelRunner:
                 inp["attn_limit"][t + rel:t + rel + k] = im.offset + im.length - 1
 
     def encode_image(self, image) -> np.ndarray:
-        """An ImageInput (engine/multimodal.py) -> its projected feature rows [length, hidden] on the host.
-        LLaVA-NeXT's tiles go through the one-input program one after another, then are packed."""
-        exe = self.compile(("vision", image.pixels.shape[-1]))
-        if image.size_hw is None:
-            return np.asarray(exe(self.vision.weights, image.pixels[None]))[0]
-        outs = [exe(self.vision.weights, t[None]) for t in image.pixels]  # all dispatched, then one wait
-        return self.vision.pack(np.stack([np.asarray(o)[0] for o in outs]).astype(np.float32), image.size_hw)
+        """An ImageInput (engine/multimodal.py) -> its projected feature rows [length, hidden] on the host."""
+        return self.vision.encode(image, lambda size: self.compile(("vision", size)))
 
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:

@@ -221,6 +221,13 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= cost(n)
 
+        def admit(seq: Sequence, n: int) -> None:
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            seq.row = heapq.heappop(self._free_rows)
+            self.running.append(seq)
+            put(seq, n, reset_row=True)
+
         # 0. a prefill whose next chunk is a whole image run of two-way attention (Gemma 3) goes first: after the
         #    decodes the budget left might never hold the run (it is checked to fit a whole step at start-up)
         for seq in list(self.running):
@@ -229,6 +236,15 @@ class Scheduler:
                 if n > 0 and self.bm.can_append(seq, n):
                     self.bm.append_slots(seq, n)
                     put(seq, n)
+        # ... and so does the first waiting request whose prefix-cache hit ends at or inside such a run
+        head = self.waiting[0] if self.waiting and len(self.running) < self.cfg.max_num_seqs else None
+        if head is not None and head.mm is not None and head.mm.bidirectional and budget >= Q:
+            if self.bm.allocate_prompt(head, budget):
+                n = whole_runs(head, chunk(head.num_tokens - head.num_computed_tokens))
+                if multimodal.at_run(head.mm, head.num_computed_tokens) and n > 0:
+                    admit(head, n)
+                else:  # not at a run (step 3 admits it in turn) or the run does not fit yet
+                    self.bm.undo_allocate_prompt(head)
 
         # 1. decodes: one token each (budget >= max_num_seqs, so they always fit; after step 0, most)
         for seq in list(self.running):
@@ -274,11 +290,7 @@ class Scheduler:
             if n <= 0:  # its first chunk would cut an image run that the budget left cannot hold: next step
                 self.bm.undo_allocate_prompt(seq)
                 break
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            seq.row = heapq.heappop(self._free_rows)
-            self.running.append(seq)
-            put(seq, n, reset_row=True)
+            admit(seq, n)
 
         out.decode_steps = self._pick_decode_steps(out)
         return out

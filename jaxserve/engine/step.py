@@ -76,6 +76,8 @@ def mixed_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, at
     batch = {k: inp[k] for k in ("token_ids", "positions", "token_seq", "block_tables", "mm_embeds", "mm_mask",
                                  "attn_limit") if k in inp}
     batch["slots"] = _slots(batch, block_size)
+    if "rope_delta" in inp:  # multimodal RoPE: each token's 3-axis position, relative to its position
+        batch["rope_pos"] = inp["positions"][None] + inp["rope_delta"]
     batch["decode_slots"] = inp["rows"].shape[0]  # static: the single-token region (see runner)
     if cfg.is_moe:  # padding tokens (the dummy sequence) are not routed to experts of their own
         batch["moe_valid"] = inp["token_seq"] < inp["rows"].shape[0]
@@ -221,6 +223,8 @@ def decode_step(cfg: ModelConfig, consts, weights, state, inp, *, scan_layers, a
         batch = {"token_ids": tokens, "positions": positions, "token_seq": token_seq,
                  "block_tables": inp["block_tables"], **adapters}
         batch["slots"] = _slots(batch, block_size)
+        if "rope_delta" in inp:  # multimodal RoPE: a row's text offset, the same at every step
+            batch["rope_pos"] = positions[None] + inp["rope_delta"]
         if cfg.is_moe:  # padding rows (the dummy row) are not routed to experts of their own
             batch["moe_valid"] = inp["rows"] < state["out_counts"].shape[0] - 1
         hidden, (k, v) = tf.forward_hidden(cfg, weights, consts, (state["k"], state["v"]), batch,

@@ -1,7 +1,8 @@
 """Map a Hugging Face `config.json` onto ModelConfig.
 
-Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3, llava and llava_next (multimodal: their `text_config`) and
-gemma3_text. Fields missing from the file take transformers' class defaults for that model type, because
+Supported model types: llama, mistral, qwen2, qwen3, gemma2, gemma3, llava and llava_next (multimodal: their `text_config`),
+qwen2_vl and qwen2_5_vl (multimodal: a Qwen2 language model with multimodal RoPE, in `text_config` or at the top
+level as the Hub's configs have it) and gemma3_text. Fields missing from the file take transformers' class defaults for that model type, because
 HF configs on the Hub (notably Gemma 3's `text_config`) omit fields equal to those defaults.
 
 A `quantization_config` is checked here (jaxserve/loader/hf_quant.py reads it; an unsupported method
@@ -22,7 +23,8 @@ from typing import Any
 from jaxserve.config import ConfigError, ModelConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "mixtral",
-                         "qwen2_moe", "qwen3_moe", "llava", "llava_next")
+                         "qwen2_moe", "qwen3_moe", "llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+QWEN_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # a Qwen2 language model with multimodal RoPE (models/qwen_vision.py)
 LLAVA_TEXT_TYPES = ("llama", "mistral", "qwen2")  # language models of a llava checkpoint
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -83,7 +85,7 @@ def _eos_ids(v) -> tuple[int, ...]:
 
 def _rope_scaling(params: dict[str, Any], max_pos: int, d: dict[str, Any]) -> RopeScaling | None:
     rtype = params.get("rope_type") or params.get("type") or "default"
-    if rtype == "default":
+    if rtype in ("default", "mrope"):  # Qwen2-VL's "mrope" is plain RoPE over 3-axis positions (_mrope_section)
         return None
     if rtype not in ("linear", "llama3", "yarn"):
         raise ConfigError(f"unsupported rope scaling type {rtype!r}; supported: default, linear, llama3, yarn")
@@ -176,6 +178,14 @@ def _text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     mtype = config.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"unsupported model_type {mtype!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mtype in QWEN_VL_TYPES:
+        # The Hub's Qwen2-VL configs keep the language model's fields at the top level; transformers 5
+        # writes them into text_config (token ids may still sit at the top level).
+        text = dict(config.get("text_config") or {k: v for k, v in config.items() if k != "vision_config"})
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+            if k in config and k not in text:
+                text[k] = config[k]
+        return "qwen2", text
     if mtype not in ("gemma3", "llava", "llava_next"):
         return mtype, dict(config)
     # Multimodal: the language model lives in text_config; token ids and tying may sit at the top level
@@ -225,6 +235,7 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
                               original_max_position_embeddings=max_pos)
         max_pos = int(max_pos * yarn_scaling_factor)
     layer_types, window = _layer_types(d, mtype, n)
+    mrope = _mrope_section(d) if config_dict.get("model_type") in QWEN_VL_TYPES else None
     gemma = mtype in ("gemma2", "gemma3_text")
     arch = "gemma3" if mtype == "gemma3_text" else mtype
     moe = _moe_fields(d, mtype) if mtype in _MOE_TYPES else {}
@@ -262,8 +273,19 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
         bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
         eos_token_ids=_eos_ids(d.get("eos_token_id")),
         pad_token_id=None if d.get("pad_token_id") is None else int(d["pad_token_id"]),
+        mrope_section=mrope,
         **moe,
     )
+
+
+def _mrope_section(d: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen2-VL's rotary sections (temporal, height, width) from rope_scaling (the Hub's configs) or
+    rope_parameters (transformers 5)."""
+    for k in ("rope_scaling", "rope_parameters"):
+        sec = (d.get(k) or {}).get("mrope_section")
+        if sec is not None:
+            return tuple(int(x) for x in sec)
+    raise ConfigError("a qwen2_vl / qwen2_5_vl config needs rope_scaling.mrope_section")
 
 
 def _moe_fields(d: dict[str, Any], mtype: str) -> dict[str, Any]:
@@ -316,6 +338,7 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict[str, Any]:
         if not ok:
             raise ConfigError(f"{cfg.arch}: {what} cannot be expressed in a {mtype} config.json")
 
+    need(cfg.mrope_section is None, "multimodal RoPE (a Qwen2-VL language model)")
     need(cfg.attention_bias == (cfg.arch == "qwen2"), f"attention_bias={cfg.attention_bias}")
     need(cfg.qk_norm == (cfg.arch in ("qwen3", "gemma3")), f"qk_norm={cfg.qk_norm}")
     need(cfg.sandwich_norms == gemma, f"sandwich_norms={cfg.sandwich_norms}")

@@ -184,6 +184,67 @@ def preprocess_anyres(img, pc: ImageProcessorConfig, pinpoints, tile: int) -> tu
     return np.stack([preprocess(t, pc) for t in tiles]), hw
 
 
+@dataclass(frozen=True)
+class QwenImageProcessor:
+    """transformers' Qwen2VLImageProcessor settings (preprocessor_config.json): images are resized to multiples
+    of patch * merge pixels with their area in [min_pixels, max_pixels]."""
+
+    min_pixels: int
+    max_pixels: int
+    patch: int
+    temporal: int
+    merge: int
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    resample: int = 3
+
+    @classmethod
+    def from_dict(cls, d: dict, max_patches: int) -> "QwenImageProcessor":
+        size = d.get("size") or {}
+        lo = d.get("min_pixels") or size.get("shortest_edge") or 56 * 56
+        hi = d.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
+        patch = int(d.get("patch_size", 14))
+        normalize = d.get("do_normalize", True)
+        return cls(min_pixels=int(lo), max_pixels=min(int(hi), max_patches * patch * patch), patch=patch,
+                   temporal=int(d.get("temporal_patch_size", 2)), merge=int(d.get("merge_size", 2)),
+                   rescale=float(d.get("rescale_factor", 1 / 255)) if d.get("do_rescale", True) else None,
+                   mean=tuple(d.get("image_mean", CLIP_MEAN)) if normalize else None,
+                   std=tuple(d.get("image_std", CLIP_STD)) if normalize else None,
+                   resample=int(d.get("resample", 3)))
+
+    def resized_hw(self, h: int, w: int) -> tuple[int, int]:
+        """transformers' smart_resize: the nearest multiples of patch * merge, scaled into the pixel range."""
+        import math
+
+        f = self.patch * self.merge
+        if max(h, w) / min(h, w) > 200:
+            raise ImageError(f"an image of {w}x{h} pixels: the aspect ratio must be under 200")
+        hb, wb = round(h / f) * f, round(w / f) * f
+        if hb * wb > self.max_pixels:
+            beta = math.sqrt(h * w / self.max_pixels)
+            hb, wb = max(f, math.floor(h / beta / f) * f), max(f, math.floor(w / beta / f) * f)
+        elif hb * wb < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (h * w))
+            hb, wb = math.ceil(h * beta / f) * f, math.ceil(w * beta / f) * f
+        return hb, wb
+
+
+def preprocess_qwen_vl(img, qp: QwenImageProcessor) -> tuple[np.ndarray, tuple[int, int]]:
+    """Qwen2-VL (transformers' Qwen2VLImageProcessorPil): a PIL image -> (patches [gh * gw, C * temporal *
+    patch * patch] float32 — merge x merge groups of patches row by row, each patch repeated over the
+    temporal frames —, the patch grid (gh, gw))."""
+    pc = ImageProcessorConfig(None, None, None, qp.rescale, qp.mean, qp.std, qp.resample)
+    img = _rgb(img, pc)
+    hb, wb = qp.resized_hw(img.height, img.width)
+    a = preprocess(img.resize((wb, hb), resample=qp.resample), pc)  # [C, hb, wb]
+    C, p, m = a.shape[0], qp.patch, qp.merge
+    gh, gw = hb // p, wb // p
+    a = a.reshape(C, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
+    a = np.broadcast_to(a[:, :, :, :, :, None], (*a.shape[:5], qp.temporal, p, p))
+    return np.ascontiguousarray(a.reshape(gh * gw, C * qp.temporal * p * p), np.float32), (gh, gw)
+
+
 def content_hash(pixels: np.ndarray, extra: bytes = b"") -> bytes:
     """What the prefix cache keys an image's placeholder blocks on: the preprocessed pixels (and, for
     LLaVA-NeXT, the image's size, which decides the rows its features keep)."""

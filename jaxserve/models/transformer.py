@@ -94,8 +94,10 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
 
     x, h = add_norm(x, resid, w["attn_norm"], eps)
     fused_kv = attended = False
+    rope_pos = mrope_positions(cfg, batch) if cfg.mrope_section else batch["positions"]
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
-        to_rope_kv = rope_kv is not None and not cfg.qk_norm
+        # (the fused RoPE kernels take one position per token: multimodal RoPE stays on XLA's path)
+        to_rope_kv = rope_kv is not None and not cfg.qk_norm and not cfg.mrope_section
         qkv = proj(h, "qkv", split_out=split_sums and to_rope_kv and not cfg.attention_bias)
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
@@ -122,8 +124,8 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
         if cfg.qk_norm:
             q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, batch["positions"], c["inv_freq"], c["attn_factor"])
-        k = apply_rope(k, batch["positions"], c["inv_freq"], c["attn_factor"])
+        q = apply_rope(q, rope_pos, c["inv_freq"], c["attn_factor"])
+        k = apply_rope(k, rope_pos, c["inv_freq"], c["attn_factor"])
         if kv is not None:
             k_cache, v_cache = attn_ref.write_kv(kv[0], kv[1], c["index"], k, v, batch["slots"])
     kw = dict(scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
@@ -168,6 +170,13 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     if cfg.sandwich_norms:
         m = rms_norm(m, w["post_ffn_norm"], cfg.rms_norm_eps)
     return x, m, None if kv is None else (k_cache, v_cache)
+
+
+def mrope_positions(cfg: ModelConfig, batch):
+    """Multimodal RoPE (Qwen2-VL): batch["rope_pos"] [3, T] (temporal, height, width positions; equal for
+    text tokens) -> [T, head_dim / 2], each frequency's position taken from its section's axis."""
+    axis = np.repeat(np.arange(3), cfg.mrope_section)
+    return batch["rope_pos"][axis].T
 
 
 def unstack_layers(weights) -> dict:

@@ -9,8 +9,10 @@ from jaxserve.kernels.split_sum import total
 
 
 def apply_rope(x, positions, inv_freq, attn_factor):
-    """Rotate-half RoPE (HF layout). x [T, N, hd]; inv_freq [hd/2]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    """Rotate-half RoPE (HF layout). x [T, N, hd]; inv_freq [hd/2]; positions [T], or [T, hd/2] with a
+    position per frequency (multimodal RoPE: models/transformer.mrope_positions)."""
+    pos = positions.astype(jnp.float32)
+    freqs = (pos[:, None] if pos.ndim == 1 else pos) * inv_freq[None, :]  # [T, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos = (jnp.cos(emb) * attn_factor)[:, None, :]
     sin = (jnp.sin(emb) * attn_factor)[:, None, :]

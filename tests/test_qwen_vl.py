@@ -1,0 +1,251 @@
+"""Qwen2-VL and Qwen2.5-VL (native-resolution vision transformer, 2 x 2 patch merger, Qwen2.5-VL's window
+attention, the language model's multimodal RoPE) on tiny random checkpoints against transformers on CPU:
+pixels and image features at several image sizes, the 3-axis positions, prompt log-probabilities with two
+images across prefill chunks of 16, greedy generation of different-size images in one batch (the decode
+program's per-row RoPE offsets), text-only prompts, the server."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_tiny import QWEN_VL_IMAGE, QWEN_VL_START, make_tiny_qwen_vl
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine import multimodal
+from jaxserve.loader import image as image_mod
+from test_multimodal import no_compiles_while_serving, server_chat_equals_offline  # noqa: F401 (an autouse fixture)
+
+KINDS = ("qwen2_vl", "qwen2_5_vl")
+VSTART = "<|vision_start|><|image_pad|><|vision_end|>"
+PROMPT = f"<|im_start|>user\nHere is a picture of my garden:{VSTART}What is in it?<|im_end|>\n<|im_start|>assistant\n"
+TWO = PROMPT.replace("What", f"{VSTART}And this, what")
+SIZES = ((40, 52), (90, 20), (200, 230), (15, 15))  # (200, 230): resized down to max_pixels
+
+
+def _img(seed: int, hw=(40, 52)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def qvl_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen-vl")
+    return {k: make_tiny_qwen_vl(root, k) for k in KINDS}
+
+
+@pytest.fixture(scope="module")
+def hf(qvl_dirs, kind):
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(1)
+    cls = tf.Qwen2VLForConditionalGeneration if kind == "qwen2_vl" else tf.Qwen2_5_VLForConditionalGeneration
+    model = cls.from_pretrained(qvl_dirs[kind], dtype=torch.float32).eval()
+    return model, tf.Qwen2VLImageProcessorPil.from_pretrained(qvl_dirs[kind])
+
+
+@pytest.fixture(scope="module")
+def llm(qvl_dirs, kind):
+    # chunks of 16 tokens cut through the image runs (12 and 6 rows); blocks of 4
+    return LLM(str(qvl_dirs[kind]), max_model_len=256, max_num_seqs=4, prefill_chunk_size=16, block_size=4)
+
+
+def _hf_inputs(hf, ids, imgs):
+    import torch
+
+    ref = hf[1](images=imgs, return_tensors="pt") if imgs else {}
+    ids_t = torch.tensor([ids])
+    kw = dict(pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"]) if imgs else {}
+    return ids_t, dict(kw, mm_token_type_ids=(ids_t == QWEN_VL_IMAGE).int())
+
+
+def _hf_logprobs(hf, ids, imgs, plain_positions=False):
+    import torch
+
+    ids_t, kw = _hf_inputs(hf, ids, imgs)
+    if plain_positions:  # every axis at the token's index: what the model would compute without 3-axis RoPE
+        kw["position_ids"] = torch.arange(len(ids)).view(1, 1, -1).expand(3, 1, -1)
+    with torch.no_grad():
+        logits = hf[0](input_ids=ids_t, **kw).logits[0]
+    return torch.log_softmax(logits.double(), -1).numpy()
+
+
+def _vision(qvl_dirs, kind):
+    from jaxserve.loader.vision_weights import llava_vision_config, load_vision
+
+    d = qvl_dirs[kind]
+    return load_vision(d, llava_vision_config(d, 64), jnp.float32)
+
+
+def _encode(vision, img):
+    prep = vision.prepare(img)
+    image = multimodal.ImageInput(0, prep[1], prep[0], prep[2], None, prep[4])
+    return vision.encode(image, lambda size: jax.jit(vision.program())), prep
+
+
+def test_pixels_and_features_match_transformers(qvl_dirs, kind, hf):
+    """The processor's patches and grid, and the merged features, at sizes that need resizing up, down and
+    to odd aspect ratios; each image padded to its patch bucket."""
+    import torch
+
+    model, proc = hf
+    vision = _vision(qvl_dirs, kind)
+    assert vision.program_sizes() == (16, 32, 64, 128, 256)
+    for i, hw in enumerate(SIZES):
+        img = _img(i, hw)
+        ref = proc(images=[img], return_tensors="np")
+        px, grid = image_mod.preprocess_qwen_vl(img, vision.processor)
+        assert (1, *grid) == tuple(ref["image_grid_thw"][0])
+        np.testing.assert_allclose(px, ref["pixel_values"], atol=1e-6, rtol=0)
+        with torch.no_grad():
+            want = model.model.get_image_features(pixel_values=torch.tensor(ref["pixel_values"]),
+                                                  image_grid_thw=torch.tensor(ref["image_grid_thw"])).pooler_output
+        want = (want[0] if isinstance(want, (list, tuple)) else want).numpy()
+        ours, prep = _encode(vision, img)
+        assert prep[1] == grid[0] * grid[1] // 4 == want.shape[0] and prep[4] == (grid[0] // 2, grid[1] // 2)
+        np.testing.assert_allclose(ours, want, atol=2e-5 * max(1.0, np.abs(want).max()), rtol=0)
+
+
+def test_window_attention_is_computed():
+    """Qwen2.5-VL's windows (2 x 2 merged cells here) decide the features: attending fully in every block
+    gives other features (the parity test above would fail without the windows)."""
+    import dataclasses
+    import tempfile
+
+    from jaxserve.models import qwen_vision
+
+    with tempfile.TemporaryDirectory() as d:
+        vision = _vision({"qwen2_5_vl": make_tiny_qwen_vl(d, "qwen2_5_vl")}, "qwen2_5_vl")
+        img = _img(3, (40, 52))
+        ours, prep = _encode(vision, img)
+        meta = qwen_vision.patch_meta(vision.cfg, (prep[4][0] * 2, prep[4][1] * 2))
+        assert len(set(meta[:, 2])) == 4  # a 3 x 4 cell grid in windows of 2 x 2 cells
+        full = dataclasses.replace(vision.cfg, full_attention_layers=tuple(range(vision.cfg.num_layers)))
+        other = np.asarray(qwen_vision.image_features(full, vision.weights, jnp.asarray(prep[0]), jnp.asarray(meta)))
+        assert np.abs(other - ours).max() > 1e-2
+
+
+def test_rope_positions_match_transformers(llm, hf):
+    """The 3-axis positions of a prompt with two images (multimodal.rope_deltas + the index) equal
+    transformers' get_rope_index; a text-only prompt's are its indices."""
+    out = llm.engine.multimodal_prompt(TWO, [_img(1), _img(2, (30, 90))])
+    ids = out.token_ids
+    ids_t, kw = _hf_inputs(hf, ids, [_img(1), _img(2, (30, 90))])
+    want, delta = hf[0].model.get_rope_index(ids_t, kw["mm_token_type_ids"], image_grid_thw=kw["image_grid_thw"])
+    n = len(ids)
+    ours = np.arange(n)[None] + multimodal.rope_deltas(out, 0, n)
+    np.testing.assert_array_equal(ours, want[:, 0].numpy())
+    # in pieces (prefill chunks, decode rows) the same
+    pieces = np.concatenate([multimodal.rope_deltas(out, s, min(7, n - s)) for s in range(0, n, 7)], axis=1)
+    np.testing.assert_array_equal(pieces, multimodal.rope_deltas(out, 0, n))
+    # past the prompt: the text offset transformers keeps for decoding
+    assert (multimodal.rope_deltas(out, n + 5, 1)[:, 0] == int(delta[0, 0])).all()
+    assert not multimodal.rope_deltas(None, 3, 4).any()
+
+
+def test_prompt_logprobs_match_transformers(llm, hf):
+    """Every prompt position's log-probability with one and two images of different sizes, prefill chunks of
+    16 cutting through the image runs; plain positions (no 3-axis RoPE) differ by far more."""
+    for imgs, prompt in (([_img(5)], PROMPT), ([_img(5), _img(6, (30, 90))], TWO)):
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": imgs}},
+                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+        ids = out.prompt_token_ids
+        assert ids.count(QWEN_VL_IMAGE) == sum(image_mod.preprocess_qwen_vl(im, llm.engine.vision.processor)[0].shape[0]
+                                              for im in imgs) // 4
+        assert ids.count(QWEN_VL_START) == len(imgs)
+        want = _hf_logprobs(hf, ids, imgs)[np.arange(len(ids) - 1), ids[1:]]
+        ours = np.array([lp for lp, _ in out.prompt_logprobs[1:]])
+        np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
+        plain = _hf_logprobs(hf, ids, imgs, plain_positions=True)[np.arange(len(ids) - 1), ids[1:]]
+        assert np.abs(plain - want).max() > 1e-2
+
+
+def test_greedy_matches_transformers_batched(llm, hf):
+    """Two images of different sizes (different text offsets after them) decoded together, several tokens a
+    dispatch, and a text-only prompt beside them."""
+    import torch
+
+    imgs = [_img(7), _img(8, (64, 28))]
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in imgs]
+    prompts.append("<|im_start|>user\nJust text, please.<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+    for o, im in zip(outs, imgs + [None]):
+        ids_t, kw = _hf_inputs(hf, o.prompt_token_ids, [im] if im is not None else [])
+        with torch.no_grad():
+            ref = hf[0].generate(input_ids=ids_t, **kw, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        assert list(o.outputs[0].token_ids) == ref[0, ids_t.shape[1]:].tolist()
+
+
+def test_server_chat_with_an_image(llm):
+    offline = server_chat_equals_offline(llm, _img(9, (50, 30)))
+    assert offline.prompt_token_ids.count(QWEN_VL_IMAGE) == 8  # 50 x 30 -> 56 x 28 pixels: 8 x 4 patches, 4 x 2 rows
+
+
+def test_bad_inputs(llm):
+    with pytest.raises(multimodal.MultiModalError, match="1 image placeholder"):
+        llm.engine.multimodal_prompt(PROMPT, [_img(1), _img(2)])
+    with pytest.raises(image_mod.ImageError, match="aspect ratio"):
+        llm.engine.multimodal_prompt(PROMPT, [_img(1, (2, 500))])
+
+
+def test_gpu_kernel_path_matches_transformers(qvl_dirs, hf, kind, tmp_path):
+    """The GPU's configuration in the Pallas interpreter: unrolled layers, the Pallas attention, the fused
+    RoPE kernels switched on (multimodal RoPE must keep XLA's rotation: those kernels take one position a
+    token): prompt log-probabilities and a few greedy tokens through the decode program."""
+    if kind != "qwen2_vl":
+        pytest.skip("one kind is enough: the language model is the same")
+    import torch
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    ecfg = EngineConfig(max_model_len=256, max_num_seqs=2, prefill_chunk_size=16, block_size=4, num_blocks=80,
+                        scan_layers=False, fused_rope_kv=True, compile_cache_dir=str(tmp_path / "cache"))
+    eng = LLMEngine(str(qvl_dirs[kind]), engine_config=ecfg, attention="pallas_triton", warmup=False)
+    assert eng.runner.rope_kv is not None and eng.runner.rope_attend is not None
+    gpu_llm = LLM.from_engine(eng)
+    img = _img(11)
+    out = gpu_llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}},
+                           SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True),
+                           use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    want = _hf_logprobs(hf, ids, [img])[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose(np.array([lp for lp, _ in out.prompt_logprobs[1:]]), want, atol=1e-4, rtol=0)
+    ids_t, kw = _hf_inputs(hf, ids, [img])
+    with torch.no_grad():
+        ref = hf[0].generate(input_ids=ids_t, **kw, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert list(out.outputs[0].token_ids) == ref[0, ids_t.shape[1]:].tolist()
+
+
+def test_transformers_4_52_tensor_names(qvl_dirs, hf, kind, tmp_path):
+    """Checkpoints saved by transformers 4.52-4.57 name the tensors model.language_model.* / model.visual.*:
+    they load to the same model."""
+    if kind != "qwen2_5_vl":
+        pytest.skip("one kind is enough: the names are the same")
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src, dst = qvl_dirs[kind], tmp_path / "renamed"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    renamed = {("model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)
+                if k.startswith("model.") else k): v for k, v in tensors.items()}
+    assert any(k.startswith("model.visual.") for k in renamed) and any("language_model" in k for k in renamed)
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    other = LLM(str(dst), max_model_len=256, max_num_seqs=2, prefill_chunk_size=16, block_size=4)
+    img = _img(12)
+    out = other.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}},
+                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    ids = out.prompt_token_ids
+    want = _hf_logprobs(hf, ids, [img])[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose([lp for lp, _ in out.prompt_logprobs[1:]], want, atol=1e-4, rtol=0)
