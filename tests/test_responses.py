@@ -228,3 +228,59 @@ def test_reasoning_item(client):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.content[0].text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert [e.item.type for e in events if e.type == "response.output_item.done"] == ["reasoning", "message"]
+
+
+def test_input_items(url, client):
+    """GET /v1/responses/{id}/input_items (client.responses.input_items.list): the request's input as item
+    objects with ids, newest first by default, paged with limit/after (the client's auto-paging walks them)."""
+    from openai.types.responses import ResponseItemList
+
+    items = [{"role": "developer", "content": SYSTEM},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 2 + 2?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{\"a\": 2, \"b\": 2}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "4"},
+             {"role": "assistant", "content": "It is 4."},
+             {"role": "user", "content": "And 3 + 3?"}]
+    r = client.responses.create(model="smol", input=items, temperature=0, max_output_tokens=4)
+    status, raw = get_json(f"{url}/v1/responses/{r.id}/input_items")
+    assert status == 200
+    page = ResponseItemList.model_validate(raw)
+    assert not page.has_more and [it.type for it in page.data] == ["message", "message", "function_call_output",
+                                                                   "function_call", "message", "message"]
+    asc = page.data[::-1]
+    assert [getattr(it, "role", None) for it in asc] == ["developer", "user", None, None, "assistant", "user"]
+    assert asc[1].content[0].text == "What is 2 + 2?" and asc[4].content[0].type == "output_text"
+    assert (asc[2].name, asc[2].arguments, asc[3].output) == ("add", "{\"a\": 2, \"b\": 2}", "4")
+    assert page.first_id == asc[-1].id and page.last_id == asc[0].id and len({it.id for it in asc}) == 6
+    walked = list(client.responses.input_items.list(r.id, limit=4, order="asc"))  # two pages
+    assert [it.id for it in walked] == [it.id for it in asc]
+    first = client.responses.input_items.list(r.id, limit=4, order="asc")
+    assert first.has_more and len(first.data) == 4
+    one = client.responses.create(model="smol", input="Hello", max_output_tokens=2)
+    (msg,) = client.responses.input_items.list(one.id).data
+    assert msg.role == "user" and msg.content[0].text == "Hello"
+    for q, param in (("limit=0", "limit"), ("order=up", "order"), ("after=nope", "after")):
+        status, err = get_json_status(f"{url}/v1/responses/{r.id}/input_items?{q}")
+        assert status == 400 and err["error"]["param"] == param, err
+    assert get_json_status(f"{url}/v1/responses/resp_missing/input_items")[0] == 404
+
+
+def test_store_is_bounded_in_bytes(monkeypatch):
+    """The oldest stored responses go once the store holds more than MAX_STORED_BYTES of JSON (the newest
+    always stays)."""
+    import argparse
+
+    from jaxserve.server import responses as mod
+    from jaxserve.server.state import ServerState
+
+    state = ServerState(argparse.Namespace(model="m"))
+    monkeypatch.setattr(mod, "MAX_STORED_BYTES", 20_000)
+    for i in range(6):
+        req = mod.ResponsesRequest(input="x" * 3000)
+        mod._remember(state, req, {"id": f"resp_{i}", "output": []}, [{"role": "user", "content": req.input}], "ok", [])
+    size = state.responses["resp_5"]["bytes"]
+    assert 6000 < size < 7000  # the input twice (conversation and input items)
+    assert list(state.responses) == [f"resp_{i}" for i in range(6 - 20_000 // size, 6)]
+    big = mod.ResponsesRequest(input="y" * 50_000)
+    mod._remember(state, big, {"id": "resp_big", "output": []}, [], "ok", [])
+    assert list(state.responses) == ["resp_big"]

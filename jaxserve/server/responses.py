@@ -7,13 +7,14 @@ function tools ({"type": "function", "name", "parameters"}) and tool_choice take
 `text.format` becomes response_format. The reply comes back as output items (reasoning, message with
 output_text, function_call) with the Responses usage; streamed as OpenAI's named events
 (response.created ... response.output_text.delta ... response.completed). With `store` (the default, as
-OpenAI's) the conversation is kept in memory (the last MAX_STORED responses), so `previous_response_id`
-continues it and GET returns it.
+OpenAI's) the conversation is kept in memory (the last MAX_STORED responses, MAX_STORED_BYTES of JSON at
+most), so `previous_response_id` continues it, GET returns it and GET .../input_items lists its input.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import uuid
 from typing import Any
 
@@ -26,6 +27,7 @@ from jaxserve.server.protocol import ChatCompletionRequest, _Req, parse_request
 from jaxserve.server.streaming import SSEWriter, failed
 
 MAX_STORED = 1000
+MAX_STORED_BYTES = 64 * 2**20  # images as data: URLs make entries large: the oldest go first past this
 
 
 class ResponsesRequest(_Req):
@@ -137,6 +139,40 @@ def _messages(items: str | list, where: str = "input") -> list[dict]:
         else:
             raise bad_request(f"{w}: input items of type {kind!r} are not supported (message, function_call, "
                               "function_call_output, reasoning)", f"{w}.type")
+    return out
+
+
+def _input_items(items: str | list) -> list[dict]:
+    """The request's input as the API's item objects (what GET .../input_items lists), each with an id: user,
+    system and developer messages with input parts, assistant messages with output_text parts, function calls
+    and their outputs, reasoning items. Called after _messages accepted the input."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for it in items:
+        kind = it.get("type", "message")
+        if kind == "message":
+            role, content = it["role"], it["content"]
+            if isinstance(content, str):
+                content = [{"type": "input_text", "text": content}]
+            parts = []
+            for p in content:
+                if p["type"] == "input_image":
+                    parts.append({"type": "input_image", "image_url": p["image_url"], "detail": p.get("detail", "auto")})
+                elif role == "assistant":
+                    parts.append({"type": "output_text", "text": p["text"], "annotations": []})
+                else:
+                    parts.append({"type": "input_text", "text": p["text"]})
+            out.append({"id": it.get("id") or _id("msg"), "type": "message", "role": role, "content": parts,
+                        "status": "completed"})
+        elif kind == "function_call":
+            out.append({"id": it.get("id") or _id("fc"), "type": "function_call", "call_id": it["call_id"],
+                        "name": it["name"], "arguments": it["arguments"], "status": "completed"})
+        elif kind == "function_call_output":
+            out.append({"id": it.get("id") or _id("fco"), "type": "function_call_output", "call_id": it["call_id"],
+                        "output": it["output"], "status": "completed"})
+        else:  # reasoning
+            out.append({"id": it.get("id") or _id("rs"), "type": "reasoning", "summary": it.get("summary") or []})
     return out
 
 
@@ -269,9 +305,12 @@ def _remember(state, req: ResponsesRequest, resp: dict, convo: list[dict], conte
         reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
                                 "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
     st = _store(state)
-    st[resp["id"]] = {"response": resp, "conversation": convo + [reply]}
-    while len(st) > MAX_STORED:
-        st.popitem(last=False)
+    entry = {"response": resp, "conversation": convo + [reply], "input_items": _input_items(req.input)}
+    entry["bytes"] = len(json.dumps(entry))
+    st[resp["id"]] = entry
+    total = sum(e["bytes"] for e in st.values())
+    while len(st) > MAX_STORED or (total > MAX_STORED_BYTES and len(st) > 1):
+        total -= st.popitem(last=False)[1]["bytes"]
 
 
 async def create_response(request: web.Request, state, body) -> web.StreamResponse:
@@ -309,6 +348,34 @@ async def get_response(request: web.Request, state) -> web.Response:
     if entry is None:
         raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
     return web.json_response(entry["response"])
+
+
+async def list_input_items(request: web.Request, state) -> web.Response:
+    """GET /v1/responses/{id}/input_items: the response's input items, `order` desc (default) or asc, `limit`
+    1-100 (20), `after` an item id (the page after it)."""
+    rid = request.match_info["response_id"]
+    entry = _store(state).get(rid)
+    if entry is None:
+        raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
+    q = request.query
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be \"asc\" or \"desc\"", "order")
+    try:
+        limit = int(q.get("limit", 20))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be an integer from 1 to 100", "limit")
+    items = entry["input_items"][::-1] if order == "desc" else list(entry["input_items"])
+    if "after" in q:
+        ids = [it["id"] for it in items]
+        if q["after"] not in ids:
+            raise bad_request(f"no input item with id '{q['after']}' in this response", "after")
+        items = items[ids.index(q["after"]) + 1:]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
 
 async def delete_response(request: web.Request, state) -> web.Response:

@@ -18,7 +18,7 @@ from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, T
                                       parse_request)
 from jaxserve.server.images import chat_prompt
 from jaxserve.server.lora import list_lora_adapters, load_lora_adapter, set_lora_adapters, unload_lora_adapter
-from jaxserve.server.responses import create_response, delete_response, get_response
+from jaxserve.server.responses import create_response, delete_response, get_response, list_input_items
 from jaxserve.server.sampling import check_ids
 
 STATE = web.AppKey("jaxserve_state", object)
@@ -162,7 +162,8 @@ def add_routes(app: web.Application) -> None:
              "/unload_lora_adapter": _json_endpoint(unload_lora_adapter),
              "/lora-adapters": _json_endpoint(set_lora_adapters)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics,
-            "/lora-adapters": lora_adapters, "/responses/{response_id}": _state_endpoint(get_response)}
+            "/lora-adapters": lora_adapters, "/responses/{response_id}": _state_endpoint(get_response),
+            "/responses/{response_id}/input_items": _state_endpoint(list_input_items)}
     for prefix in ("/v1", ""):
         for path, h in posts.items():
             app.router.add_post(prefix + path, h)
