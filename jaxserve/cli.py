@@ -24,6 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--w", "--weights", dest="weights_path", default=None,
                    help="local weights path overriding the model id's files")
     g.add_argument("--revision", default=None)
+    g.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="llama.cpp multimodal projector (mmproj-*.gguf) for a Gemma 3 GGUF model: image input")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--yarn-scaling-factor", type=float, default=None)
@@ -164,6 +166,8 @@ def engine_config_from_args(args):
         kw["scan_layers"] = args.scan_layers == "on"
     if getattr(args, "isq", None):
         kw["isq"] = args.isq
+    if getattr(args, "mmproj", None):
+        kw["mmproj"] = args.mmproj
     if getattr(args, "lora", None):
         kw["lora"] = tuple(args.lora)
     if getattr(args, "lora_modules", None):

@@ -310,6 +310,7 @@ class EngineConfig:
     seed: int = 0
     packed_weights: bool | None = None  # keep quantized weights packed on the device; None: on a GPU
     isq: str | None = None  # quantize dense matmul weights at load (ISQ_FORMATS)
+    mmproj: str | None = None  # llama.cpp's multimodal projector file for a GGUF model (loader/gguf_mmproj.py)
     lora: tuple[str, ...] = ()  # PEFT LoRA adapter directories merged into the weights at load (loader/lora.py)
     # Multi-LoRA serving (vLLM's --lora-modules): (name, adapter directory) pairs, loaded at start-up; each
     # request picks one by name (or none). A dict {name: dir} or "name=dir" strings are accepted too.

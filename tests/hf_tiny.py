@@ -133,7 +133,7 @@ GEMMA3_TEMPLATE = ("{% for message in messages %}{{ '<start_of_turn>' + message[
 GEMMA3_BOI, GEMMA3_EOI, GEMMA3_IMAGE = 256, 257, 258  # the byte tokenizer's added tokens
 
 
-def make_tiny_gemma3_vision(tmp_path, seed: int = 0, std: float = 0.2, mm_tokens: int = 4) -> Path:
+def make_tiny_gemma3_vision(tmp_path, seed: int = 0, std: float = 0.2, mm_tokens: int = 4, **text_overrides) -> Path:
     """A tiny random Gemma3ForConditionalGeneration: a SigLIP tower of 2 layers (16 patches of 7x7 on 28x28
     images) pooled to mm_tokens rows per image, the 6-layer gemma3 language model above (sliding window 8)
     with vocab 264, a byte-level tokenizer whose "<start_of_image>", "<end_of_image>" and
@@ -147,7 +147,7 @@ def make_tiny_gemma3_vision(tmp_path, seed: int = 0, std: float = 0.2, mm_tokens
 
     torch.set_num_threads(1)
     tf.utils.logging.disable_progress_bar()
-    text = _config("gemma3", dict(vocab_size=264))
+    text = _config("gemma3", dict(vocab_size=264, **text_overrides))
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    image_size=28, patch_size=7, vision_use_head=False)
     cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens,

@@ -61,6 +61,7 @@ def test_engine_flags_map_to_the_engine_config():
     assert parse().program_store is None  # auto: on with one device (runner)
     assert parse().int8_activations is False
     assert parse("--int8-activations").int8_activations is True
+    assert parse("--mmproj", "mmproj-f16.gguf").mmproj == "mmproj-f16.gguf" and parse().mmproj is None
     from jaxserve.config import ConfigError
 
     with pytest.raises(ConfigError, match="int8_activations needs packed weights"):

@@ -122,9 +122,6 @@ def test_prompt_logprobs_match_transformers(llm, hf):
 
 
 def test_greedy_matches_transformers_batched(llm, hf):
-    import torch
-
-    model, proc = hf
     imgs = [_img(7), _img(8, (64, 48))]
     short = "<start_of_turn>user\nWhat is this?<start_of_image>"  # the window of 8 still sees the image
     prompts = [{"prompt": short, "multi_modal_data": {"image": im}} for im in imgs]
@@ -132,12 +129,20 @@ def test_greedy_matches_transformers_batched(llm, hf):
     outs = llm.generate(prompts, params)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
     for o, im in zip(outs, imgs):
-        ids = torch.tensor([o.prompt_token_ids])
-        pv = torch.tensor(proc(images=im, return_tensors="np")["pixel_values"])
-        with torch.no_grad():
-            ref = model.generate(input_ids=ids, pixel_values=pv, token_type_ids=(ids == GEMMA3_IMAGE).long(),
-                                 max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        assert list(o.outputs[0].token_ids) == ref[0, ids.shape[1]:].tolist()
+        assert list(o.outputs[0].token_ids) == hf_greedy(hf, o.prompt_token_ids, im, 8)
+
+
+def hf_greedy(hf, ids: list[int], img, n: int) -> list[int]:
+    """transformers' n greedy tokens after ids with one image (its rows attending both ways)."""
+    import torch
+
+    model, proc = hf
+    ids_t = torch.tensor([ids])
+    pv = torch.tensor(proc(images=img, return_tensors="np")["pixel_values"])
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids_t, pixel_values=pv, token_type_ids=(ids_t == GEMMA3_IMAGE).long(),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return ref[0, ids_t.shape[1]:].tolist()
 
 
 def test_server_chat_with_an_image(llm):

@@ -409,4 +409,4 @@ def test_convert_refuses_multimodal(llava_dir, tmp_path, capsys):
 
     assert export.main(["--model", str(llava_dir), "--format", "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
     assert quantize.main(["--model", str(llava_dir), "--isq", "q8_0", "--out", str(tmp_path / "q")]) == 2
-    assert capsys.readouterr().err.count("multimodal (llava)") == 2
+    assert capsys.readouterr().err.count("is a multimodal model") == 2

@@ -160,7 +160,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
                tp: int = 1, devices=None, dp: int = 1, packed: bool | None = None,
                isq: str | None = None, lm_head: bool = True, lora: tuple[str, ...] = (),
                lora_modules: tuple[tuple[str, str], ...] = (), max_lora_rank: int | None = None,
-               max_loras: int | None = None) -> LoadedModel:
+               max_loras: int | None = None, mmproj: str | None = None) -> LoadedModel:
     """Resolve a model source and stream its weights onto the device.
 
     tp/dp: the weights go onto a (dp, tp) mesh, split over "model" and replicated over "data"
@@ -174,7 +174,8 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
     (multi-LoRA, one device): read and checked before the weights, stacked into the layers' `lora`
     subtree (models/lora.py) padded to max_lora_rank (None: the largest rank); max_loras: adapter slots
     (None: one per lora_modules entry; with more, the stacks hold every projection at max_lora_rank,
-    default 16, for adapters loaded later)."""
+    default 16, for adapters loaded later). mmproj: a llama.cpp projector file (loader/gguf_mmproj.py) giving
+    the model its image path."""
     import jax
     import jax.numpy as jnp
 
@@ -232,11 +233,19 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
         weights = attach(weights, stacks, jnp.dtype(dtype), mesh, rules, cfg)
     name = model or DEFAULT_MODEL
     vision = None
-    if src.vision is not None and lm_head:
+    if (src.vision is not None or mmproj) and lm_head and mesh is not None:
+        raise ValueError("multimodal models run on one device (no tensor or data parallelism)")
+    if mmproj:
+        from jaxserve.loader.gguf_mmproj import MMProjError, load_mmproj
+
+        if src.vision is not None:
+            raise MMProjError(f"{model} has its own vision tower: no mmproj file is needed")
+        if cfg.arch != "gemma3":
+            raise MMProjError(f"mmproj files are read for Gemma 3 models (gemma3 projector); this model is {cfg.arch}")
+        vision = load_mmproj(mmproj, cfg.hidden_size, src.tokenizer, dtype)
+    elif src.vision is not None and lm_head:
         from jaxserve.loader.vision_weights import load_vision
 
-        if mesh is not None:
-            raise ValueError("multimodal models run on one device (no tensor or data parallelism)")
         vision = load_vision(src.model_dir, src.vision, dtype)
     return LoadedModel(cfg=cfg, tokenizer=src.tokenizer, weights=weights, name=name,
                        generation_defaults=src.generation_defaults, mesh=mesh, rules=rules,
@@ -409,7 +418,7 @@ class LLMEngine:
             model, file=file, weights_file=weights_file, dtype=ecfg.dtype,
             yarn_scaling_factor=yarn_scaling_factor, tp=tp, devices=devices,
             packed=ecfg.packed_weights, isq=ecfg.isq, lora=ecfg.lora, lora_modules=ecfg.lora_modules,
-            max_lora_rank=ecfg.max_lora_rank, max_loras=ecfg.max_loras)
+            max_lora_rank=ecfg.max_lora_rank, max_loras=ecfg.max_loras, mmproj=ecfg.mmproj)
         self.load_seconds = time.perf_counter() - t0
         log.info("model %s loaded in %.1fs", getattr(model, "name", model), self.load_seconds)
         self.model = lm

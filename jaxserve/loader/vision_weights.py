@@ -101,30 +101,38 @@ def _target(name: str, v: VisionConfig) -> tuple[str | None, bool]:
     raise SafetensorsError(f"unexpected vision tensor {name!r} in a llava checkpoint")
 
 
-def _read_tensors(model_dir, files, want: dict, target) -> dict[str, np.ndarray]:
-    """Every wanted vision tensor of the checkpoint as float32 [in, out] arrays; target: HF name -> (our name
-    or None, transpose?) for the names is_vision_tensor accepts."""
+def collect_tensors(items, want: dict, target, error=SafetensorsError, what: str = "the checkpoint") -> dict:
+    """The wanted vision tensors as float32 [in, out] arrays. items: (name, a function reading the array);
+    target: name -> (our name or None, transpose?)."""
     got: dict[str, np.ndarray] = {}
-    for path in [Path(f) for f in files] if files else checkpoint_files(model_dir):
-        start, header = read_header(path)
-        for name, info in header.items():
-            if not is_vision_tensor(name):
-                continue
-            ours, transpose = target(name)
-            if ours not in want:  # unused by this model's features (a tower's other tensors): not read
-                continue
-            a = np.asarray(_map_tensor(path, start, name, info), np.float32)
-            if ours == "patch":  # the patch convolution [D, C, (T,) p, p] -> [C*(T*)p*p, D]
-                a = a.reshape(a.shape[0], -1)
-                transpose = True
-            a = a.T if transpose else a
-            if a.shape != want[ours]:
-                raise SafetensorsError(f"vision tensor {name!r} has shape {a.shape}, expected {want[ours]}")
-            got[ours] = a
+    for name, read in items:
+        ours, transpose = target(name)
+        if ours not in want:  # unused by this model's features (a tower's other tensors): not read
+            continue
+        a = np.asarray(read(), np.float32)
+        if ours == "patch":  # the patch convolution [D, C, (T,) p, p] -> [C*(T*)p*p, D]
+            a = a.reshape(a.shape[0], -1)
+            transpose = True
+        a = a.T if transpose else a
+        if a.shape != want[ours]:
+            raise error(f"vision tensor {name!r} has shape {a.shape}, expected {want[ours]}")
+        got[ours] = a
     missing = sorted(set(want) - set(got))
     if missing:
-        raise SafetensorsError(f"the checkpoint is missing {len(missing)} vision tensor(s): {', '.join(missing[:6])}")
+        raise error(f"{what} is missing {len(missing)} vision tensor(s): {', '.join(missing[:6])}")
     return got
+
+
+def _read_tensors(model_dir, files, want: dict, target) -> dict[str, np.ndarray]:
+    """collect_tensors over the safetensors files' vision tensors (the names is_vision_tensor accepts)."""
+    def items():
+        for path in [Path(f) for f in files] if files else checkpoint_files(model_dir):
+            start, header = read_header(path)
+            for name, info in header.items():
+                if is_vision_tensor(name):
+                    yield name, lambda path=path, start=start, name=name, info=info: _map_tensor(path, start, name, info)
+
+    return collect_tensors(items(), want, target)
 
 
 def _to_tree(got: dict[str, np.ndarray], num_layers: int, dtype) -> dict:

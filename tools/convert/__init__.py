@@ -15,18 +15,21 @@ def add_common_args(p, *, shard_help: str, force_help: str) -> None:
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit")
     p.add_argument("--shard-size", type=float, default=4.0, metavar="GIB", help=shard_help)
     p.add_argument("--force", action="store_true", help=force_help)
+    p.add_argument("--text-only", action="store_true",
+                   help="a multimodal model: write its language model alone (as llama.cpp's text GGUF, used with "
+                        "an mmproj file for the images)")
 
 
 def open_text_source(args):
     """The model source of args.model (llm_engine.open_model, dense), or None after printing why it
-    cannot be converted: a multimodal (llava) model would lose its vision tower and projector."""
+    cannot be converted: a multimodal model would lose its vision tower and projector (unless --text-only)."""
     import sys
 
     from jaxserve.engine.llm_engine import open_model
 
     src = open_model(args.model, file=args.file, revision=args.revision, packed=False)
-    if src.vision is not None:
-        print(f"error: {args.model} is a multimodal (llava) model: converting it would keep only its "
-              "language model; not supported", file=sys.stderr)
+    if src.vision is not None and not getattr(args, "text_only", False):
+        print(f"error: {args.model} is a multimodal model: converting it would keep only its language model "
+              "(--text-only does that)", file=sys.stderr)
         return None
     return src
