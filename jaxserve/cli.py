@@ -25,7 +25,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="local weights path overriding the model id's files")
     g.add_argument("--revision", default=None)
     g.add_argument("--mmproj", default=None, metavar="FILE",
-                   help="llama.cpp multimodal projector (mmproj-*.gguf) for a Gemma 3 GGUF model: image input")
+                   help="llama.cpp multimodal projector (mmproj-*.gguf) for a Gemma 3 or Qwen2(.5)-VL GGUF model: image input")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     g.add_argument("--yarn-scaling-factor", type=float, default=None)

@@ -240,9 +240,7 @@ def load_model(model: str | None, *, file: str | None = None, weights_file: str 
 
         if src.vision is not None:
             raise MMProjError(f"{model} has its own vision tower: no mmproj file is needed")
-        if cfg.arch != "gemma3":
-            raise MMProjError(f"mmproj files are read for Gemma 3 models (gemma3 projector); this model is {cfg.arch}")
-        vision = load_mmproj(mmproj, cfg.hidden_size, src.tokenizer, dtype)
+        vision = load_mmproj(mmproj, cfg, src.tokenizer, dtype)
     elif src.vision is not None and lm_head:
         from jaxserve.loader.vision_weights import load_vision
 

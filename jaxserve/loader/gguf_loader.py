@@ -27,7 +27,7 @@ from jaxserve.loader.dequant import dequantize_tensor
 
 log = logging.getLogger(__name__)
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "qwen2vl")
 # GGUF architecture with experts -> ModelConfig arch (a `llama` file with experts is Mixtral)
 MOE_ARCHS = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Whether llama.cpp's graph for the arch renormalizes the top-k router weights (build_moe_ffn's norm_w:
@@ -222,6 +222,11 @@ def gguf_model_config(readers) -> ModelConfig:
     )
     if experts:
         cfg.update(_moe_fields(readers, arch, experts, ffn, layers))
+    if arch == "qwen2vl":  # Qwen2-VL / Qwen2.5-VL's language model: Qwen2 with multimodal RoPE sections
+        sections = [int(x) for x in (g("rope.dimension_sections") or [])]
+        if len(sections) < 3 or any(sections[3:]):
+            raise ConfigError(f"GGUF qwen2vl: rope.dimension_sections {sections} (three sections, the rest 0)")
+        cfg.update(arch="qwen2", mrope_section=tuple(sections[:3]))
     if arch == "llama":  # (Mistral/Yi/SmolLM2 files are `llama` too: the same model for us)
         if "rope_freqs.weight" in names and cfg["rope_scaling"] is None:
             t = next(t for r in readers for t in r.tensors if t.name == "rope_freqs.weight")

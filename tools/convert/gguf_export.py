@@ -54,6 +54,11 @@ class ExportError(ValueError):
     """The model (or its tokenizer) cannot be written in the requested format."""
 
 
+def gguf_arch(cfg: ModelConfig) -> str:
+    """The file's general.architecture: a Qwen2-VL language model (multimodal RoPE) is llama.cpp's qwen2vl."""
+    return "qwen2vl" if cfg.mrope_section else GGUF_ARCH[cfg.arch]
+
+
 def gguf_name(name: str, layer: int | None) -> str:
     return _GLOBAL[name] if layer is None else f"blk.{layer}.{_LAYER[name]}"
 
@@ -147,6 +152,8 @@ def _model_metadata(w, cfg: ModelConfig) -> None:
             w.add_rope_scaling_yarn_beta_slow(rs.beta_slow)
     if cfg.is_moe:
         _moe_metadata(w, cfg)
+    if cfg.mrope_section:  # llama.cpp's four sections, the last unused
+        w.add_rope_dimension_sections(list(cfg.mrope_section) + [0])
     if cfg.arch.startswith("gemma"):
         if "sliding" in cfg.layer_types:
             w.add_sliding_window(int(cfg.sliding_window))
@@ -341,7 +348,7 @@ def export_gguf(src, path: str | Path, dtype: str = "f16", name: str | None = No
     if dtype not in DTYPES:
         raise ExportError(f"GGUF dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     _check(cfg)
-    arch = GGUF_ARCH[cfg.arch]
+    arch = gguf_arch(cfg)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(name or path.stem)
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
