@@ -11,7 +11,7 @@ from hf_tiny import GEMMA3_BOI, GEMMA3_EOI, GEMMA3_IMAGE, make_tiny_gemma3_visio
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import multimodal
 from jaxserve.loader import image as image_mod
-from test_multimodal import no_compiles_while_serving, server_chat_equals_offline  # noqa: F401 (an autouse fixture)
+from test_multimodal import _serve_chat, no_compiles_while_serving, server_chat_equals_offline  # noqa: F401
 
 PROMPT = ("<start_of_turn>user\nHere is a picture of my garden in the late summer light:<start_of_image>"
           "What is in it?<end_of_turn>\n<start_of_turn>model\n")
@@ -147,6 +147,8 @@ def hf_greedy(hf, ids: list[int], img, n: int) -> list[int]:
 
 def test_server_chat_with_an_image(llm):
     server_chat_equals_offline(llm, _img(9))
+    ((status, props),) = _serve_chat(llm, [("/props", None)])  # the chat page shows its image button
+    assert status == 200 and props["modalities"] == {"vision": True, "audio": False}
 
 
 def test_chunk_size_must_hold_an_image(g3_dir):

@@ -304,9 +304,9 @@ def test_text_model_refuses_images(tmp_path):
 
 
 def _serve_chat(llm, bodies, files: dict | None = None) -> list[tuple[int, dict]]:
-    """POST each body to /v1/chat/completions (or (path, body) to path) of an in-process server over
-    llm's engine; bodies may be functions of the base URL of a second local server that serves `files`
-    ({name: bytes})."""
+    """POST each body to /v1/chat/completions (or (path, body) to path; (path, None): GET path) of an
+    in-process server over llm's engine; bodies may be functions of the base URL of a second local server
+    that serves `files` ({name: bytes})."""
     import argparse
     import asyncio
 
@@ -334,6 +334,10 @@ def _serve_chat(llm, bodies, files: dict | None = None) -> list[tuple[int, dict]
             base = str(img_srv.make_url("/"))
             for body in bodies:
                 path, body = body if isinstance(body, tuple) else ("/v1/chat/completions", body)
+                if body is None:  # a GET
+                    r = await client.get(path)
+                    out.append((r.status, await r.json()))
+                    continue
                 r = await client.post(path, json=body(base) if callable(body) else body)
                 if r.content_type == "text/event-stream":  # a stream: its chunks' deltas joined
                     events = [json.loads(line[6:]) for line in (await r.text()).splitlines()

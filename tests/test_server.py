@@ -114,6 +114,9 @@ def test_models(url, server):
         assert [m["id"] for m in body["data"]] == ["smol"]
     status, card = get_json(f"{url}/v1/models/smol")
     validate_schema(card, "Model")
+    # llama.cpp's /props, which the chat page reads: a text model takes no images
+    assert get_json(f"{url}/props") == (200, {"model": "smol", "max_model_len": 2048,
+                                              "modalities": {"vision": False, "audio": False}})
     status, err = post_raw(f"{url}/v1/chat/completions", json.dumps(chat_body("hi", model="gpt-4")).encode())
     assert status == 404
     validate_schema(err, "ErrorResponse")

@@ -48,7 +48,8 @@ const [ev, rest] = w.takeEvents('data: {"a":1}\\r\\n\\r\\ndata: x\\ndata: y\\n\\
 console.log(JSON.stringify({ev, rest,
   md: w.renderMarkdown("a <b>&\\n```py\\nif x<1: `y`\\n```\\nuse `z<2` now\\n```\\nstreaming"),
   body: w.chatBody("m", [{role: "user", content: "hi"}], "be brief", "0", "64"),
-  plain: w.chatBody("m", [], "", "", "")}));"""))
+  plain: w.chatBody("m", [], "", "", ""),
+  turn: w.userMessage("what is it?", ["data:image/png;base64,AAAA"]), text: w.userMessage("hi", [])}));"""))
     assert got["ev"] == ['{"a":1}', "x\ny"] and got["rest"] == "data: part"
     assert got["md"] == ("a &lt;b&gt;&amp;\n<pre><code>if x&lt;1: `y`\n</code></pre>\nuse <code>z&lt;2</code> now\n"
                          "<pre><code>streaming</code></pre>")
@@ -57,6 +58,10 @@ console.log(JSON.stringify({ev, rest,
                            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
                            "max_tokens": 64}
     assert "temperature" not in got["plain"] and "max_tokens" not in got["plain"]
+    # a turn with attached images: OpenAI's content parts (image_url data: URLs, then the text)
+    assert got["turn"] == {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "text", "text": "what is it?"}]}
+    assert got["text"] == {"role": "user", "content": "hi"}
 
 
 @pytest.mark.parametrize("off", [False, True])
@@ -82,3 +87,4 @@ def test_page_routes(off):
     else:
         assert (status, ctype, js_status, js_type) == (200, "text/html", 200, "application/javascript")
         assert '<script src="webui/app.js">' in text
+        assert 'id="attach"' in text and 'type="file" accept="image/*"' in text  # shown for vision models

@@ -61,6 +61,16 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response(dump(ModelList(data=cards)))
 
 
+async def props(request: web.Request) -> web.Response:
+    """GET /props (llama.cpp's server): what the chat page needs to know — the served model, its context, and
+    whether it takes images (`modalities.vision`)."""
+    state = request.app[STATE]
+    state.require_ready()
+    eng = state.engine
+    return web.json_response({"model": state.model_name, "max_model_len": eng.ecfg.max_model_len,
+                              "modalities": {"vision": getattr(eng, "vision", None) is not None, "audio": False}})
+
+
 async def lora_adapters(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.require_ready()
@@ -162,7 +172,7 @@ def add_routes(app: web.Application) -> None:
              "/unload_lora_adapter": _json_endpoint(unload_lora_adapter),
              "/lora-adapters": _json_endpoint(set_lora_adapters)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics,
-            "/lora-adapters": lora_adapters, "/responses/{response_id}": _state_endpoint(get_response),
+            "/lora-adapters": lora_adapters, "/props": props, "/responses/{response_id}": _state_endpoint(get_response),
             "/responses/{response_id}/input_items": _state_endpoint(list_input_items)}
     for prefix in ("/v1", ""):
         for path, h in posts.items():

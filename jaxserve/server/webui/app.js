@@ -43,13 +43,22 @@ function chatBody(model, messages, system, temperature, maxTokens) {
   return body;
 }
 
+// A user turn: plain text, or (with attached images, as data: URLs) OpenAI's content parts.
+function userMessage(text, images) {
+  if (!images || !images.length) return { role: "user", content: text };
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (text) parts.push({ type: "text", text });
+  return { role: "user", content: parts };
+}
+
 if (typeof module !== "undefined") {
-  module.exports = { takeEvents, escapeHtml, renderMarkdown, chatBody };
+  module.exports = { takeEvents, escapeHtml, renderMarkdown, chatBody, userMessage };
 } else {
   const $ = (id) => document.getElementById(id);
   const log = $("log"), input = $("input"), send = $("send");
   const messages = [];
   let controller = null;
+  let images = [];  // the next turn's attachments (data: URLs)
   for (const id of ["temperature", "max_tokens", "system", "apikey"]) {  // settings survive a reload
     const v = localStorage.getItem("jaxserve." + id);
     if (v !== null) $(id).value = v;
@@ -93,12 +102,50 @@ if (typeof module !== "undefined") {
     }
   }
 
+  // Images only when the server says the model takes them (GET /props, llama.cpp's endpoint).
+  async function loadProps() {
+    try {
+      const resp = await fetch("props", { headers: headers() });
+      if (resp.ok) $("attach").hidden = !((await resp.json()).modalities || {}).vision;
+    } catch (e) { /* an older server: no attachments */ }
+  }
+
+  function showThumbs() {
+    const t = $("thumbs");
+    t.innerHTML = "";
+    images.forEach((url, i) => {
+      const img = document.createElement("img");
+      img.src = url;
+      img.title = "remove";
+      img.addEventListener("click", () => { images.splice(i, 1); showThumbs(); });
+      t.appendChild(img);
+    });
+  }
+
+  function readAsDataURL(file) {
+    return new Promise((resolve, reject) => {
+      const r = new FileReader();
+      r.onload = () => resolve(r.result);
+      r.onerror = () => reject(r.error);
+      r.readAsDataURL(file);
+    });
+  }
+
   async function chat() {
     const text = input.value;
-    if (!text.trim() || controller) return;
+    if ((!text.trim() && !images.length) || controller) return;
     input.value = "";
-    messages.push({ role: "user", content: text });
-    addMessage("user").querySelector(".body").textContent = text;
+    const sent = images;
+    images = [];
+    showThumbs();
+    messages.push(userMessage(text, sent));
+    const mine = addMessage("user").querySelector(".body");
+    for (const url of sent) {
+      const img = document.createElement("img");
+      img.src = url;
+      mine.appendChild(img);
+    }
+    mine.appendChild(document.createTextNode(text));
     const div = addMessage("assistant");
     const body = div.querySelector(".body"), think = div.querySelector(".think"), stats = div.querySelector(".stats");
     let content = "", thought = "", usage = null, buffer = "";
@@ -160,10 +207,17 @@ if (typeof module !== "undefined") {
   }
 
   send.addEventListener("click", () => (controller ? controller.abort() : chat()));
+  $("attach").addEventListener("click", () => $("files").click());
+  $("files").addEventListener("change", async () => {
+    for (const f of $("files").files) images.push(await readAsDataURL(f));
+    $("files").value = "";
+    showThumbs();
+  });
   input.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); chat(); }
   });
   $("clear").addEventListener("click", () => { if (!controller) { messages.length = 0; log.innerHTML = ""; } });
-  $("apikey").addEventListener("change", loadModels);
+  $("apikey").addEventListener("change", () => { loadModels(); loadProps(); });
   loadModels();
+  loadProps();
 }
