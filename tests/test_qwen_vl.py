@@ -2,7 +2,8 @@
 attention, the language model's multimodal RoPE) on tiny random checkpoints against transformers on CPU:
 pixels and image features at several image sizes, the 3-axis positions, prompt log-probabilities with two
 images across prefill chunks of 16, greedy generation of different-size images in one batch (the decode
-program's per-row RoPE offsets), text-only prompts, the server."""
+program's per-row RoPE offsets), text-only prompts, the server; text embeddings (task "embed"), the Hub's
+config variants as transformers reads them, image sizes kept within the largest vision program."""
 
 import jax
 import jax.numpy as jnp
@@ -195,6 +196,10 @@ def test_bad_inputs(llm):
         llm.engine.multimodal_prompt(PROMPT, [_img(1), _img(2)])
     with pytest.raises(image_mod.ImageError, match="aspect ratio"):
         llm.engine.multimodal_prompt(PROMPT, [_img(1, (2, 500))])
+    from PIL import Image
+
+    with pytest.raises(image_mod.ImageError, match="mode La cannot be converted"):
+        llm.engine.multimodal_prompt(PROMPT, [Image.new("La", (20, 20))])
 
 
 def test_gpu_kernel_path_matches_transformers(qvl_dirs, hf, kind, tmp_path):
@@ -249,3 +254,99 @@ def test_transformers_4_52_tensor_names(qvl_dirs, hf, kind, tmp_path):
     ids = out.prompt_token_ids
     want = _hf_logprobs(hf, ids, [img])[np.arange(len(ids) - 1), ids[1:]]
     np.testing.assert_allclose([lp for lp, _ in out.prompt_logprobs[1:]], want, atol=1e-4, rtol=0)
+
+
+def test_text_embeddings_of_a_qwen_vl_checkpoint(qvl_dirs, hf, kind):
+    """A Qwen2-VL checkpoint pooled for embeddings (task "embed", as GME's Qwen2-VL embedders are): the pooling
+    forward has no per-token RoPE offsets, text takes its index on every axis (it failed on the missing 3-axis
+    positions)."""
+    if kind != "qwen2_vl":
+        pytest.skip("one kind is enough: the language model is the same")
+    import torch
+
+    from jaxserve.engine.embedder import EmbeddingEngine
+
+    eng = EmbeddingEngine(str(qvl_dirs[kind]), task="embed", warmup=False)
+    ids = [[72, 101, 108, 108, 111], list(range(30, 49))]
+    ours = eng.embed(ids)
+    for row, i in zip(ours, ids):
+        with torch.no_grad():
+            h = hf[0].model(input_ids=torch.tensor([i])).last_hidden_state[0, -1].double()
+        np.testing.assert_allclose(row, (h / h.norm()).numpy(), atol=1e-5, rtol=0)
+
+
+# The Hub's Qwen2-VL-7B-Instruct config.json (the language model's fields at the top level, rope_scaling "mrope")
+HUB_QWEN2_VL_7B = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "bos_token_id": 151643, "eos_token_id": 151645,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654,
+    "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu", "hidden_size": 3584,
+    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2_vl",
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_sliding_window": False, "vocab_size": 152064, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2}}
+
+
+def _hub_variants():
+    """Qwen2-VL-7B's config, the 2B's (tied), a Qwen2.5-VL-3B-like one, and configs as other transformers
+    versions wrote them: a text_config holding a stray tie_word_embeddings false beside a tied top level, and
+    one without rope_theta / rms_norm_eps (the VL text config's defaults, not Qwen2's)."""
+    b7 = HUB_QWEN2_VL_7B
+    b2 = dict(b7, hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+              tie_word_embeddings=True, vocab_size=151936, vision_config=dict(b7["vision_config"], hidden_size=1536))
+    q3 = dict(b2, model_type="qwen2_5_vl", hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+              num_hidden_layers=36, max_position_embeddings=128000,
+              vision_config={"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                             "num_heads": 16, "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14,
+                             "spatial_merge_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                             "tokens_per_second": 2, "temporal_patch_size": 2})
+    text = {k: v for k, v in q3.items() if k not in ("vision_config", "architectures", "model_type")}
+    nested = {"model_type": "qwen2_5_vl", "tie_word_embeddings": True, "vision_config": q3["vision_config"],
+              "image_token_id": 151655, "text_config": dict(text, tie_word_embeddings=False)}
+    bare = {k: v for k, v in b7.items() if k not in ("rope_theta", "rms_norm_eps")}
+    return {"7b": b7, "2b": b2, "2.5-3b": q3, "nested-tie": nested, "bare": bare}
+
+
+@pytest.mark.parametrize("name", ["7b", "2b", "2.5-3b", "nested-tie", "bare"])
+def test_hub_configs_read_as_transformers_reads_them(name):
+    import transformers as tf
+
+    from jaxserve.loader.hf_config import model_config_from_hf
+    from jaxserve.models.qwen_vision import vision_config_from_hf
+
+    c = _hub_variants()[name]
+    ref = (tf.Qwen2VLConfig if c["model_type"] == "qwen2_vl" else tf.Qwen2_5_VLConfig).from_dict(dict(c))
+    t = ref.get_text_config()
+    ours = model_config_from_hf(dict(c))
+    assert ours.tie_word_embeddings == ref.tie_word_embeddings
+    assert (ours.hidden_size, ours.num_layers, ours.num_kv_heads, ours.vocab_size, ours.max_position_embeddings) == (
+        t.hidden_size, t.num_hidden_layers, t.num_key_value_heads, t.vocab_size, t.max_position_embeddings)
+    assert ours.rope_theta == t.rope_parameters["rope_theta"] and ours.rms_norm_eps == t.rms_norm_eps
+    assert ours.rope_scaling is None and ours.mrope_section == tuple(t.rope_parameters["mrope_section"])
+    assert ours.sliding_window is None and ours.eos_token_ids == (t.eos_token_id,)
+    v, hv = vision_config_from_hf(dict(c)), ref.vision_config
+    assert (v.num_layers, v.num_heads, v.out_hidden_size) == (hv.depth, hv.num_heads, t.hidden_size)
+    assert v.hidden_size == (hv.embed_dim if c["model_type"] == "qwen2_vl" else hv.hidden_size)
+
+
+def test_images_stay_within_the_largest_vision_program(llm):
+    """A long thin image (its short side raised to one merged cell) or a min_pixels near max_pixels could be
+    resized past max_pixels, beyond the largest patch bucket: the vision program lookup failed inside the
+    engine's step. Such images are kept within max_pixels; an empty image is an ImageError."""
+    from PIL import Image
+
+    qp = llm.engine.vision.processor
+    top = max(llm.engine.vision.program_sizes())
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": _img(13, (10, 1000))}},
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    assert 0 < out.prompt_token_ids.count(QWEN_VL_IMAGE) <= top // 4 and len(out.outputs[0].token_ids) == 2
+    import dataclasses
+
+    near = dataclasses.replace(qp, min_pixels=qp.max_pixels)
+    for hw in ((100, 150), (10, 1000), (333, 17)):
+        hb, wb = near.resized_hw(*hw)
+        assert hb * wb <= qp.max_pixels and hb % 14 == 0 and wb % 14 == 0
+    with pytest.raises(image_mod.ImageError, match="empty"):
+        llm.engine.multimodal_prompt(PROMPT, [Image.new("RGB", (0, 0))])

@@ -57,6 +57,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                       use_sliding_window=False, sliding_window=4096, max_window_layers=28, num_experts=128,
                       num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
                       decoder_sparse_step=1, mlp_only_layers=[]),
+    # transformers' Qwen2VLTextConfig / Qwen2_5_VLTextConfig (not Qwen2Config's: theta 1e6, eps 1e-5, ...)
+    "qwen2_vl_text": dict(_COMMON, vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=32768,
+                          rms_norm_eps=1e-5, rope_theta=1e6, use_sliding_window=False, sliding_window=4096,
+                          max_window_layers=80, bos_token_id=151643, eos_token_id=151645),
     "gemma2": dict(_COMMON, vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, pad_token_id=0,
@@ -181,10 +186,16 @@ def _text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if mtype in QWEN_VL_TYPES:
         # The Hub's Qwen2-VL configs keep the language model's fields at the top level; transformers 5
         # writes them into text_config (token ids may still sit at the top level).
-        text = dict(config.get("text_config") or {k: v for k, v in config.items() if k != "vision_config"})
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
-            if k in config and k not in text:
-                text[k] = config[k]
+        given = dict(config.get("text_config") or {k: v for k, v in config.items() if k != "vision_config"})
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if k in config and k not in given:
+                given[k] = config[k]
+        # Tying is the top level's; saves of transformers 4.5x-5.3 may also hold a text_config value (often a
+        # stray default false for the tied 2B / 3B models): transformers ties when either says so.
+        given["tie_word_embeddings"] = bool(config.get("tie_word_embeddings")) or bool(
+            (config.get("text_config") or {}).get("tie_word_embeddings"))
+        text = dict(_DEFAULTS["qwen2_vl_text"])  # mapped as qwen2, with the VL text config's defaults
+        text.update(given)
         return "qwen2", text
     if mtype not in ("gemma3", "llava", "llava_next"):
         return mtype, dict(config)

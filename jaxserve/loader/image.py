@@ -128,10 +128,13 @@ def _rgb(img, pc: ImageProcessorConfig):
     if not isinstance(img, Image.Image):
         raise ImageError(f"an image must be a PIL.Image, got {type(img).__name__}")
     if pc.convert_rgb:  # as transformers: transparency composited onto white
-        if "A" in img.getbands() or img.info.get("transparency") is not None:
-            rgba = img.convert("RGBA")
-            return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-        return img.convert("RGB")
+        try:
+            if "A" in img.getbands() or img.info.get("transparency") is not None:
+                rgba = img.convert("RGBA")
+                return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+            return img.convert("RGB")
+        except (ValueError, OSError) as e:  # modes PIL cannot convert (e.g. "La"): the request's image
+            raise ImageError(f"an image in mode {img.mode} cannot be converted to RGB: {e}") from None
     if img.mode != "RGB":
         raise ImageError(f"a {img.mode} image needs do_convert_rgb in the image processor config")
     return img
@@ -218,15 +221,25 @@ class QwenImageProcessor:
         import math
 
         f = self.patch * self.merge
+        if min(h, w) < 1:
+            raise ImageError(f"an image of {w}x{h} pixels is empty")
         if max(h, w) / min(h, w) > 200:
             raise ImageError(f"an image of {w}x{h} pixels: the aspect ratio must be under 200")
         hb, wb = round(h / f) * f, round(w / f) * f
+        if hb * wb < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (h * w))
+            hb, wb = math.ceil(h * beta / f) * f, math.ceil(w * beta / f) * f
+        # Never above max_pixels (transformers' can be; the vision programs' largest patch bucket is sized by it):
+        # checked after the scale-up too (rounded up to a min_pixels near max_pixels), and a long thin image whose
+        # short side was raised to one cell gets its long side shortened.
         if hb * wb > self.max_pixels:
             beta = math.sqrt(h * w / self.max_pixels)
             hb, wb = max(f, math.floor(h / beta / f) * f), max(f, math.floor(w / beta / f) * f)
-        elif hb * wb < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (h * w))
-            hb, wb = math.ceil(h * beta / f) * f, math.ceil(w * beta / f) * f
+        if hb * wb > self.max_pixels:
+            if hb <= wb:
+                wb = max(f, self.max_pixels // hb // f * f)
+            else:
+                hb = max(f, self.max_pixels // wb // f * f)
         return hb, wb
 
 

@@ -274,6 +274,8 @@ def states(pcfg: DecoderPoolingConfig, weights: dict, ids):
     cfg = pcfg.model
     B, T = ids.shape
     batch = {"token_ids": ids.reshape(-1), "positions": jnp.tile(jnp.arange(T, dtype=jnp.int32), B)}
+    if cfg.mrope_section:  # Qwen2-VL (e.g. GME embedders), text only: every RoPE axis at the token's position
+        batch["rope_pos"] = jnp.broadcast_to(batch["positions"][None], (3, B * T))
     scan = not isinstance(weights["layers"], list)  # packed weights come as a per-layer list
     consts = {k: jnp.asarray(v) for k, v in layer_constants(cfg).items()}
     h, _ = forward_hidden(cfg, weights, consts, None, batch, scan_layers=scan,
