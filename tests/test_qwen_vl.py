@@ -350,3 +350,13 @@ def test_images_stay_within_the_largest_vision_program(llm):
         assert hb * wb <= qp.max_pixels and hb % 14 == 0 and wb % 14 == 0
     with pytest.raises(image_mod.ImageError, match="empty"):
         llm.engine.multimodal_prompt(PROMPT, [Image.new("RGB", (0, 0))])
+
+
+def test_vision_temporaries_estimate_covers_the_program(qvl_dirs, kind):
+    """The KV-cache sizing reserves VisionModel.temp_bytes for the largest vision program: at least what its
+    compiled program's memory analysis reports, and not wildly more."""
+    vision = _vision(qvl_dirs, kind)
+    n = max(vision.program_sizes())
+    exe = jax.jit(vision.program()).lower(vision.weights, *vision.input_specs(n)).compile()
+    temp = exe.memory_analysis().temp_size_in_bytes
+    assert temp <= vision.temp_bytes() <= 4 * temp, (temp, vision.temp_bytes())

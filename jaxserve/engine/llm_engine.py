@@ -457,6 +457,8 @@ class LLMEngine:
             probe.compile(("mixed", max(ecfg.token_buckets)),
                           compiler_options={**(probe.program_options.get("mixed") or {}), **PROBE_COMPILER_OPTIONS})
             reserved = int(probe.max_temp_bytes() * PROBE_MARGIN)
+            if lm.vision is not None:  # the vision programs run alone: the larger of the two
+                reserved = max(reserved, lm.vision.temp_bytes())
             del probe, pweights
             log.info("KV sizing probe: %.1fs; %.2f GiB reserved for temporaries", time.perf_counter() - t,
                      reserved / 2**30)

@@ -214,6 +214,15 @@ class VisionModel:
             return qwen_vision.buckets(self.cfg, p.max_pixels // (p.patch * p.patch))
         return (self.cfg.image_size,)
 
+    def temp_bytes(self) -> int:
+        """An estimate of the largest vision program's temporaries (the KV-cache sizing reserves the larger of
+        it and the text programs'): Qwen2-VL's whole-image attention holds [heads, N, N] f32 scores and their
+        softmax, and ~16 rows of activations per patch; the fixed-size towers' are small next to a text step's."""
+        if not self.qwen:
+            return 0
+        n, v = max(self.program_sizes()), self.cfg
+        return 2 * 4 * v.num_heads * n * n + 16 * 4 * n * max(v.hidden_size, v.intermediate_size)
+
     def program(self):
         from functools import partial
 
