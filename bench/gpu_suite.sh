@@ -10,7 +10,7 @@
 #                                               tp2 tp2-70b (multi-GPU kinds only) xla-exh serve serve-1
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
-#                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine
+#                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -21,13 +21,13 @@
 #   mkdir -p bench/wheelhouse && pip download -q --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform any -d bench/wheelhouse tokenizers pydantic jinja2 aiohttp psutil tqdm safetensors \
-#     pyyaml gguf pytest pytest-timeout
+#     pyyaml gguf pytest pytest-timeout pillow
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --find-links bench/wheelhouse tokenizers pydantic jinja2 aiohttp psutil \
-  tqdm safetensors pyyaml gguf pytest pytest-timeout 2>&1 | tail -2
+  tqdm safetensors pyyaml gguf pytest pytest-timeout pillow 2>&1 | tail -2
 export PYTHONPATH=$PWD
 A="--random-weights --config llama-3.1-8b"
 tp() {  # tp SECONDS ARGS...: bench/throughput.py under a timeout, per-run lines dropped
@@ -97,6 +97,9 @@ for part in "$@"; do
     # The same through LLM.generate, interleaved on one machine (session 10)
     per-sm-ab) for q in int4 q8_0; do tp 200 --workloads 1x128x512 --quant $q --int8-activations \
                  --dp4a-per-sm 4,8,4,8 | tail -6; done ;;
+    # The multimodal models (Qwen2-VL, Qwen2.5-VL, Gemma 3 with images) with the GPU's kernels against their CPU
+    # runs (bench/mm_gpu_check.py --write bench/mm_fixture on the CPU first; carry bench/mm_fixture)
+    mm-check) timeout 400 python3 bench/mm_gpu_check.py --check bench/mm_fixture 2>&1 | grep -v "^  " | tail -10 ;;
     tests-attn) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q tests/test_paged_attention.py \
                   tests/test_rms_norm.py tests/test_rope_kv.py tests/test_rope_attention.py \
                   -k "not generates_the_same" 2>&1 | tail -3 ;;
