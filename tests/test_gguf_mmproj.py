@@ -159,6 +159,10 @@ def test_bad_files(files, tmp_path):
         LLM(str(lm), mmproj=str(tmp_path / "nope.gguf"), **kw)
     with pytest.raises(MMProjError, match="architecture 'clip'"):
         LLM(str(lm), mmproj=str(lm), **kw)
+    from jaxserve.engine.dp_engine import DataParallelEngine
+
+    with pytest.raises(ValueError, match="mmproj file.*one device"):  # not dropped silently
+        DataParallelEngine(str(lm), engine_config=dict(kw, mmproj=str(files[2])), dp=2)
 
 
 def write_qwen_mmproj(model_dir: Path, out: Path, matrix_type: str = "f16") -> Path:

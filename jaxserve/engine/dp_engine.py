@@ -119,6 +119,8 @@ class DataParallelEngine:
         setup_compilation_cache(ecfg.compile_cache_dir)
         if ecfg.speculative_model is not None:
             raise ValueError("speculative decoding with a draft model runs on one device (no data parallelism)")
+        if ecfg.mmproj:
+            raise ValueError("multimodal models (an mmproj file) run on one device (no tensor or data parallelism)")
         t0 = time.perf_counter()
         if isinstance(model, LoadedModel):
             lm = model
