@@ -11,6 +11,7 @@
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
+#                                               bf16-prof
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -133,6 +134,10 @@ for part in "$@"; do
                 --tokens-digest | tail -14
               tp 200 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest \
                 --fused-decode-attention on,off,on,off | tail -10 ;;
+    # Where a bf16 bs1 step goes at 4k context now (session 24: the fused RoPE + decode attention kernel
+    # is the default since session 16; session 6's table predates it)
+    bf16-prof) timeout 150 python3 bench/decode.py $A --attention pallas_triton --contexts 4096 --runs 3 \
+                 --profile 1 --json "$OUT/decode.jsonl" 2>&1 | grep -v "^#" | tail -30 ;;
     # Where a bf16 step goes at 32 sequences (ctx 1024) and at bs1 32k, and decode-attention tuning
     # there (session 10: data for the 6,000 and 200 tok/s goals)
     attn-probe) D="timeout 110 python3 bench/decode.py $A --attention"
