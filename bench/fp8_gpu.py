@@ -23,6 +23,7 @@ from bench.profiling import check_and_time, parse_kv  # noqa: E402
 from bench.random_model import random_qweight  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_fp8 as f8  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_triton as pt  # noqa: E402
+from jaxserve.kernels.quant_matmul import xla_fp8  # noqa: E402
 from jaxserve.quant.qweight import dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
@@ -38,6 +39,9 @@ def main():
     ap.add_argument("--variant", action="append", default=None)
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--small", action="store_true", help="tiny shapes, the interpreter (checks the script on CPU)")
+    ap.add_argument("--only", default="", help="comma list of substrings: time only the impls whose label has one")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also print each XLA-fold variant's kernels (name, us per call) and compiled temp bytes")
     args = ap.parse_args()
     interpret = args.small
     variants = args.variant if args.variant is not None else VARIANTS
@@ -66,11 +70,18 @@ def main():
                     f8.gemv, fold=False, interpret=interpret)))
             if M <= 64:
                 impls.append(("exact float-code kernel (q0)", qs, functools.partial(pt.qmatmul, interpret=interpret)))
+                # XLA's GEMM batched over 128-column blocks, the block scales folded into x (xla_fp8.py)
+                impls.append(("xla fold, x' bf16", kns, xla_fp8.fold_matmul))
+                impls.append(("xla fold, x' f32", kns, functools.partial(xla_fp8.fold_matmul, xdtype=jnp.float32)))
             else:
                 impls.append(("xla dequantize + GEMM", kns, lambda x, w: jnp.dot(
                     x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)))
+            if args.only:
+                impls = [i for i in impls if any(o in i[0] for o in args.only.split(","))]
             for label, ws, f in impls:
                 try:
+                    if args.kernels and label.startswith("xla fold") and not interpret:
+                        show_kernels(f, x, ws)
                     err, ns = check_and_time(f, x, ws, want)
                     us = ns / 1e3
                     tbs = K * N / (ns * 1e-9) / 1e12 if ns else float("nan")
@@ -80,6 +91,18 @@ def main():
                           flush=True)
                 except Exception as e:  # report and go on
                     print(f"| {sname} | {M} | {label} | FAILED {type(e).__name__}: {str(e)[:300]} | | | |", flush=True)
+
+
+def show_kernels(f, x, ws):
+    """The kernels one call of f runs (us each, from a trace) and its compiled temporaries: a dequantized
+    copy of the weight would show as a convert kernel and as temp bytes of the weight's size (bf16)."""
+    from bench.profiling import kernel_table
+
+    run = jax.jit(f)
+    mem = run.lower(x, ws[0]).compile().memory_analysis()
+    lines = kernel_table(lambda: run(x, ws[0]), calls=3).get("kernels", {})
+    ks = ", ".join(f"{n[:48]} {v[1] / v[0] / 1e3:.1f}" for n, v in sorted(lines.items(), key=lambda kv: -kv[1][1]))
+    print(f"#   kernels: {ks}; temp {getattr(mem, 'temp_size_in_bytes', -1) / 2**20:.1f} MiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
-#                                               bf16-prof
+#                                               bf16-prof fp8-fold
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -134,6 +134,15 @@ for part in "$@"; do
                 --tokens-digest | tail -14
               tp 200 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest \
                 --fused-decode-attention on,off,on,off | tail -10 ;;
+    # FP8 decode through XLA's GEMM with the 128x128 block scales folded into x (kernels/quant_matmul/
+    # xla_fp8.py, session 24): per matmul against the Pallas GEMV / tensor-core kernel and XLA's bf16
+    # GEMV (with each variant's kernels and temp bytes: a hoisted or materialised bf16 weight shows),
+    # then bs1 and 32 sequences end to end in the serial runner (greedy tokens compared)
+    fp8-fold) timeout 220 python3 bench/fp8_gpu.py --M 1,32 --only "xla bf16,engine,xla fold" --kernels 2>&1
+              timeout 200 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
+                --fp8-kernel ";xla_max_m=1;xla_max_m=1,xla_f32=1" --json "$OUT/decode.jsonl" 2>&1 | tail -5
+              timeout 160 python3 bench/decode.py $A --attention pallas_triton --contexts 1024 --batch 32 --runs 3 \
+                --quant fp8 --fp8-kernel ";xla_max_m=32" --json "$OUT/decode.jsonl" 2>&1 | tail -4 ;;
     # Where a bf16 bs1 step goes at 4k context now (session 24: the fused RoPE + decode attention kernel
     # is the default since session 16; session 6's table predates it)
     bf16-prof) timeout 150 python3 bench/decode.py $A --attention pallas_triton --contexts 4096 --runs 3 \
