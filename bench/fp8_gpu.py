@@ -24,7 +24,7 @@ from bench.random_model import random_qweight  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_fp8 as f8  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_triton as pt  # noqa: E402
 from jaxserve.kernels.quant_matmul import xla_fp8  # noqa: E402
-from jaxserve.quant.qweight import dequantize  # noqa: E402
+from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
 # M <= 64 (GEMV keys apply to the rows GEMV['max_m'] sends there; gemv_max_m=0 / 4 moves them)
@@ -73,6 +73,9 @@ def main():
                 # XLA's GEMM batched over 128-column blocks, the block scales folded into x (xla_fp8.py)
                 impls.append(("xla fold, x' bf16", kns, xla_fp8.fold_matmul))
                 impls.append(("xla fold, x' f32", kns, functools.partial(xla_fp8.fold_matmul, xdtype=jnp.float32)))
+                f8s = [QWeight(w.meta, {**w.arrays, KN_CODES: jax.lax.bitcast_convert_type(
+                    w.arrays[KN_CODES], jnp.float8_e4m3fn)}) for w in kns]  # no bitcast in the program
+                impls.append(("xla fold, x' bf16, e4m3 array", f8s, xla_fp8.fold_matmul))
             else:
                 impls.append(("xla dequantize + GEMM", kns, lambda x, w: jnp.dot(
                     x, dequantize(w).astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)))

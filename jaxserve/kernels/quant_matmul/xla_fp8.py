@@ -51,6 +51,8 @@ def fold_matmul(x, qw: QWeight, *, xdtype=None, block_scales_name: str = "scale_
     codes, x2 = lax.optimization_barrier((jnp.asarray(qw.arrays[KN_CODES]), x2))
     codes = codes.reshape(NB, GROUP, K)
     xp = (x2.astype(jnp.float32)[None, :, :] * sk[:, None, :]).astype(xdtype)  # [NB, M, K]
-    w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(xdtype)  # [NB, 128, K]
+    if codes.dtype != jnp.float8_e4m3fn:  # uint8 code bytes (QWeight's); an e4m3 array is taken as it is
+        codes = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    w = codes.astype(xdtype)  # [NB, 128, K]
     y = lax.dot_general(xp, w, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)  # [NB, M, 128]
     return jnp.swapaxes(y, 0, 1).reshape(*lead, N).astype(x.dtype)
