@@ -138,7 +138,9 @@ for part in "$@"; do
     # xla_fp8.py, session 24): per matmul against the Pallas GEMV / tensor-core kernel and XLA's bf16
     # GEMV (with each variant's kernels and temp bytes: a hoisted or materialised bf16 weight shows),
     # then bs1 and 32 sequences end to end in the serial runner (greedy tokens compared)
-    fp8-fold) timeout 220 python3 bench/fp8_gpu.py --M 1,32 --only "xla bf16,engine,xla fold" --kernels 2>&1
+    fp8-fold) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_quant_matmul.py -k "fp8_xla_fold or fp8_gemv" 2>&1 | tail -2
+              timeout 220 python3 bench/fp8_gpu.py --M 1,32 --only "xla bf16,engine,xla fold" --kernels 2>&1
               timeout 200 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
                 --fp8-kernel ";xla_max_m=1;xla_max_m=1,xla_f32=1" --json "$OUT/decode.jsonl" 2>&1 | tail -5
               timeout 160 python3 bench/decode.py $A --attention pallas_triton --contexts 1024 --batch 32 --runs 3 \
