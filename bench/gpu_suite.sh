@@ -11,7 +11,7 @@
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
-#                                               bf16-prof fp8-fold
+#                                               bf16-prof fp8-fold xla-int4
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -134,6 +134,9 @@ for part in "$@"; do
                 --tokens-digest | tail -14
               tp 200 --workloads 1x128x512 --quant int4 --int8-activations --runs 3 --tokens-digest \
                 --fused-decode-attention on,off,on,off | tail -10 ;;
+    # Can XLA's GEMM stream uint4 weights (bench/xla_int4_gpu.py, session 24): the raw uint4 GEMV and an
+    # exact grouped int4 formulation (scales and zeros behind a dot batched over K/128 groups)
+    xla-int4) timeout 150 python3 bench/xla_int4_gpu.py --M 1,4 2>&1 ;;
     # FP8 decode through XLA's GEMM with the 128x128 block scales folded into x (kernels/quant_matmul/
     # xla_fp8.py, session 24): per matmul against the Pallas GEMV / tensor-core kernel and XLA's bf16
     # GEMV (with each variant's kernels and temp bytes: a hoisted or materialised bf16 weight shows),
