@@ -11,7 +11,7 @@
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
-#                                               bf16-prof fp8-fold xla-int4
+#                                               bf16-prof fp8-fold xla-int4 fp8-fold-gen
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -148,6 +148,9 @@ for part in "$@"; do
                 --fp8-kernel ";xla_max_m=1;xla_max_m=1,xla_f32=1" --json "$OUT/decode.jsonl" 2>&1 | tail -5
               timeout 160 python3 bench/decode.py $A --attention pallas_triton --contexts 1024 --batch 32 --runs 3 \
                 --quant fp8 --fp8-kernel ";xla_max_m=32" --json "$OUT/decode.jsonl" 2>&1 | tail -4 ;;
+    # The FP8 fold through generate (fresh engines, same weights; greedy-token digests per engine)
+    fp8-fold-gen) tp 330 --workloads 1x128x512,32x1024x128 --quant fp8 --runs 3 --fp8-xla-fold 0,1,32 \
+                    --tokens-digest | tail -12 ;;
     # Where a bf16 bs1 step goes at 4k context now (session 24: the fused RoPE + decode attention kernel
     # is the default since session 16; session 6's table predates it)
     bf16-prof) timeout 150 python3 bench/decode.py $A --attention pallas_triton --contexts 4096 --runs 3 \
