@@ -21,9 +21,9 @@ import numpy as np  # noqa: E402
 
 from bench.profiling import check_and_time, parse_kv  # noqa: E402
 from bench.random_model import random_qweight  # noqa: E402
+from bench import xla_fp8_fold as xla_fp8  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_fp8 as f8  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_triton as pt  # noqa: E402
-from jaxserve.kernels.quant_matmul import xla_fp8  # noqa: E402
 from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
@@ -70,7 +70,7 @@ def main():
                     f8.gemv, fold=False, interpret=interpret)))
             if M <= 64:
                 impls.append(("exact float-code kernel (q0)", qs, functools.partial(pt.qmatmul, interpret=interpret)))
-                # XLA's GEMM batched over 128-column blocks, the block scales folded into x (xla_fp8.py)
+                # XLA's GEMM batched over 128-column blocks, the block scales folded into x (bench/xla_fp8_fold.py; measured slower, session 25)
                 impls.append(("xla fold, x' bf16", kns, xla_fp8.fold_matmul))
                 impls.append(("xla fold, x' f32", kns, functools.partial(xla_fp8.fold_matmul, xdtype=jnp.float32)))
                 f8s = [QWeight(w.meta, {**w.arrays, KN_CODES: jax.lax.bitcast_convert_type(

@@ -11,7 +11,7 @@
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
-#                                               bf16-prof fp8-fold xla-int4 fp8-fold-gen
+#                                               bf16-prof fp8-fold xla-int4
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -137,20 +137,9 @@ for part in "$@"; do
     # Can XLA's GEMM stream uint4 weights (bench/xla_int4_gpu.py, session 24): the raw uint4 GEMV and an
     # exact grouped int4 formulation (scales and zeros behind a dot batched over K/128 groups)
     xla-int4) timeout 150 python3 bench/xla_int4_gpu.py --M 1,4 2>&1 ;;
-    # FP8 decode through XLA's GEMM with the 128x128 block scales folded into x (kernels/quant_matmul/
-    # xla_fp8.py, session 24): per matmul against the Pallas GEMV / tensor-core kernel and XLA's bf16
-    # GEMV (with each variant's kernels and temp bytes: a hoisted or materialised bf16 weight shows),
-    # then bs1 and 32 sequences end to end in the serial runner (greedy tokens compared)
-    fp8-fold) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -p no:cacheprovider \
-                tests/test_quant_matmul.py -k "fp8_xla_fold or fp8_gemv" 2>&1 | tail -2
-              timeout 220 python3 bench/fp8_gpu.py --M 1,32 --only "xla bf16,engine,xla fold" --kernels 2>&1
-              timeout 200 python3 bench/decode.py $A --attention pallas_triton --contexts 0 --runs 3 --quant fp8 \
-                --fp8-kernel ";xla_max_m=1;xla_max_m=1,xla_f32=1" --json "$OUT/decode.jsonl" 2>&1 | tail -5
-              timeout 160 python3 bench/decode.py $A --attention pallas_triton --contexts 1024 --batch 32 --runs 3 \
-                --quant fp8 --fp8-kernel ";xla_max_m=32" --json "$OUT/decode.jsonl" 2>&1 | tail -4 ;;
-    # The FP8 fold through generate (fresh engines, same weights; greedy-token digests per engine)
-    fp8-fold-gen) tp 330 --workloads 1x128x512,32x1024x128 --quant fp8 --runs 3 --fp8-xla-fold 0,1,32 \
-                    --tokens-digest | tail -12 ;;
+    # FP8 decode through XLA's GEMM with the 128x128 block scales folded into x (bench/xla_fp8_fold.py,
+    # session 24; measured slower than the Pallas kernels in session 25, not in the engine): per matmul
+    fp8-fold) timeout 220 python3 bench/fp8_gpu.py --M 1,32 --only "xla bf16,engine,xla fold" --kernels 2>&1 ;;
     # Where a bf16 bs1 step goes at 4k context now (session 24: the fused RoPE + decode attention kernel
     # is the default since session 16; session 6's table predates it)
     bf16-prof) timeout 150 python3 bench/decode.py $A --attention pallas_triton --contexts 4096 --runs 3 \

@@ -123,10 +123,6 @@ def main(argv=None):
                     help="comma list of on/off (on,off,on,off): with --int8-activations, a fresh engine per "
                          "value, one-row matmuls of byte-coded weights (q8_0, q6k, ...) on the byte GEMV "
                          "(pallas_byte_gemv; off by default) or the int8 kernel (off)")
-    ap.add_argument("--fp8-xla-fold", default=None,
-                    help="comma list of row counts (0,1,0,1): with --quant fp8, a fresh engine per value, "
-                         "matmuls of up to that many rows through XLA's GEMM with the block scales folded "
-                         "into x (kernels/quant_matmul/pallas_fp8.XLA_FOLD_MAX_M; 0 = the Pallas kernels)")
     ap.add_argument("--fused-decode-attention", default=None,
                     help="comma list of on/off (on,off,on,off): a fresh engine per value, the engine's "
                          "fused_decode_attention option (RoPE + K/V write + decode attention in one kernel)")
@@ -232,17 +228,16 @@ def main(argv=None):
     if args.byte_gemv:
         engs = [(p, ss, bgv) for p, ss, _ in engs for bgv in args.byte_gemv.split(",")]
     fdas = args.fused_decode_attention.split(",") if args.fused_decode_attention else [None]
-    fxs = [int(v) for v in args.fp8_xla_fold.split(",")] if args.fp8_xla_fold else [None]
-    engs = [(tp, *e, f, fx) for tp in tps for e in engs for f in fdas for fx in fxs]
+    engs = [(tp, *e, f) for tp in tps for e in engs for f in fdas]
     eng = tag = None
     cl = max(1, min(64, max_len - 17))  # the check's prompt length: 16 tokens must fit after it
     check_prompts = [[int(x) for x in np.random.default_rng(1234 + j).integers(256, lm.cfg.vocab_size, cl)]
                      for j in range(4)]
     check_tokens, tp_same = {}, {}  # tp -> greedy tokens of check_prompts; prompts equal to the first tp's
-    for (tpv, ps, ss, bgv, fda, fx), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes
+    for (tpv, ps, ss, bgv, fda), k, mode, (n, i, o) in [(e, k, m, w) for e in engs for k in ks for m in modes
                                                          for w in wls]:
-        if eng is None or tag != (tpv, ps, ss, bgv, fda, fx):
-            from jaxserve.kernels.quant_matmul import pallas_byte_gemv, pallas_dp4a, pallas_fp8
+        if eng is None or tag != (tpv, ps, ss, bgv, fda):
+            from jaxserve.kernels.quant_matmul import pallas_byte_gemv, pallas_dp4a
 
             if ps is not None:
                 pallas_dp4a.PER_SM = int(ps)
@@ -250,13 +245,11 @@ def main(argv=None):
                 pallas_dp4a.engine_qmatmul.takes_split_out = ss == "on"
             if bgv is not None:
                 pallas_byte_gemv.GEMV["max_m"] = 1 if bgv == "on" else 0
-            if fx is not None:
-                pallas_fp8.XLA_FOLD_MAX_M = fx
             eng = llm = None  # the previous engine's KV cache goes before the next one's is made
             if tag is not None and tag[0] != tpv:
                 lm = None  # the previous tp's weights go first
                 lm = build(tpv)
-            tag = (tpv, ps, ss, bgv, fda, fx)
+            tag = (tpv, ps, ss, bgv, fda)
             # The program store's key includes these module settings (program_store.kernel_settings):
             # a variant never loads a program traced under another one.
             e_cfg = ecfg if fda is None else ecfg.replace(fused_decode_attention=fda == "on")
@@ -268,7 +261,7 @@ def main(argv=None):
                 if args.tokens_digest:
                     digest = hashlib.sha256(repr(toks).encode()).hexdigest()[:16]
                     print(f"# greedy tokens (4 prompts x 16) digest: {digest} (tp={tpv} per_sm={ps} "
-                          f"split_sums={ss} byte_gemv={bgv} fused_decode_attention={fda} fp8_xla_fold={fx})", flush=True)
+                          f"split_sums={ss} byte_gemv={bgv} fused_decode_attention={fda})", flush=True)
                 if len(tps) > 1 and tpv not in check_tokens:  # same weights (seeded), other mesh: same tokens?
                     check_tokens[tpv] = toks
                     tp_same[tpv] = sum(a == b for a, b in zip(toks, check_tokens[tps[0]]))
@@ -302,7 +295,7 @@ def main(argv=None):
         row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
                    + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else "")
                    + (f" byte_gemv={bgv}" if bgv else "") + (f" tp={tpv}" if len(tps) > 1 else "")
-                   + (f" fused_attn={fda}" if fda else "") + (f" fp8_xla_fold={fx}" if fx is not None else ""),
+                   + (f" fused_attn={fda}" if fda else ""),
                    tp=tpv, tp_tokens_equal=tp_same.get(tpv),
                    chunk=args.chunk, decode_steps=k,
                    prefill_s=pre, prefill_tok_s=n * i / pre,

@@ -537,42 +537,6 @@ def test_fp8_gemv(M, dtype, tun):
            rtol=4e-3 if dtype == jnp.bfloat16 else 1e-5)
 
 
-@pytest.mark.parametrize("M,dtype,xf32", [(1, jnp.bfloat16, 0), (3, jnp.bfloat16, 1), (2, jnp.float32, 0)], ids=str)
-def test_fp8_xla_fold(M, dtype, xf32):
-    """XLA's GEMM with the 128x128 block scales folded into x (xla_fp8.fold_matmul) computes x @
-    dequantize(W): x * s rounded once to x's dtype (or kept f32), the exact codes, f32 sums; routed
-    from pallas_fp8.qmatmul for up to xla_max_m rows of an unstacked weight with block scales, never
-    for stacked layers or per-column scales."""
-    from jaxserve.kernels.quant_matmul import pallas_fp8 as f8
-    from jaxserve.kernels.quant_matmul import xla_fp8
-    from jaxserve.quant.qweight import QWeight
-
-    rng = np.random.default_rng(10 + M)
-    one = _float_code_weight("fp8", K=384, N=256)
-    blocks = rng.uniform(1e-3, 4.0, (3, 2)).astype(np.float32)
-    qw = jax.device_put(QWeight(one.meta, dict(one.arrays, scale=np.repeat(blocks, 128, 1))))
-    kn = f8.to_kn({"w": qw})["w"]
-    x = jnp.asarray(rng.standard_normal((M, 384)).astype(np.float32), dtype)
-    want = _oracle(np.asarray(x, np.float32), kn)
-    got = xla_fp8.fold_matmul(x, kn, xdtype=jnp.float32 if xf32 else None)
-    assert got.shape == (M, 256) and got.dtype == dtype
-    # bf16: x * s rounded to bf16 (2^-9) and the output to bf16; f32 x' on the CPU: f32 products (on a
-    # GPU XLA's default precision takes TF32 for them)
-    rtol = 8e-3 if dtype == jnp.bfloat16 and not xf32 else (4e-3 if dtype == jnp.bfloat16 else 1e-5)
-    _check(got, want, rtol=rtol if INTERPRET else max(rtol, GPU_RTOL))
-    names = lambda f: str(jax.make_jaxpr(f)(x))  # noqa: E731
-    routed = names(lambda v: f8.qmatmul(v, kn, xla_max_m=M, interpret=INTERPRET))
-    assert "qfp8" not in routed and "dot_general" in routed
-    assert "qfp8" in names(lambda v: f8.qmatmul(v, kn, xla_max_m=M - 1, interpret=INTERPRET))
-    per_col = f8.to_kn({"w": jax.device_put(one)})["w"]  # random per-column scales: no block scales
-    assert not xla_fp8.supports(per_col) and "qfp8" in names(
-        lambda v: f8.qmatmul(v, per_col, xla_max_m=M, interpret=INTERPRET))
-    stacked = f8.to_kn({"w": jax.device_put(stack([qw, qw]))})["w"]
-    assert "qfp8" in names(lambda v: f8.qmatmul(v, stacked, layer=1, xla_max_m=M, interpret=INTERPRET))
-    with pytest.raises(ValueError, match="block scales|scale_nb"):
-        xla_fp8.fold_matmul(x, per_col)
-
-
 def test_fp8_kn_prompt_rows_take_xla():
     """Prompt steps (M >= xla_min_m) of a to_kn FP8 weight: one dequantized copy and XLA's GEMM, the
     same function."""

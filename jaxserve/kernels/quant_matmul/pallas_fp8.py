@@ -44,9 +44,6 @@ BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when t
 # on the H200 (bench/RESULTS.md, session 11): block_n 32 the fastest of 16-128 on all four Llama-8B
 # shapes; at M = 2 and 4 the tensor-core kernel is faster.
 GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
-# Up to this many rows of an unstacked weight with block scales go to XLA's GEMM with the scales folded
-# into x (xla_fp8.fold_matmul) instead of these kernels; 0 = never (not measured on a GPU yet).
-XLA_FOLD_MAX_M = 0
 
 
 def supports(meta: QMeta, M: int) -> bool:
@@ -213,16 +210,15 @@ def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: 
 
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None, per_sm=2, unroll=1, num_warps=4,
-            num_stages=3, split_out=False, interpret=None, gemv_max_m=None, xla_max_m=None, xla_f32=0,
+            num_stages=3, split_out=False, interpret=None, gemv_max_m=None,
             **gemv_tuning):
     """x [..., K] @ W [K, N] for e4m3 block-wise W: exact up to f32 accumulation order for bf16/f16 x (f32
     x is rounded to f16). split_out: with more than one K split, return the partials as a SplitSum for
     the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`.
 
     Up to gemv_max_m rows (default GEMV['max_m']) of a weight held [N, K] go to `gemv` instead (the
-    CUDA-core kernel; its tuning as gemv_<key>=...). Up to xla_max_m rows (default XLA_FOLD_MAX_M) of an
-    unstacked weight with 128x128 block scales go to XLA's GEMM with the scales folded into x
-    (xla_fp8.fold_matmul; xla_f32=1: x' kept in f32)."""
+    CUDA-core kernel; its tuning as gemv_<key>=...). (XLA's own GEMM with the block scales folded into x
+    measured slower than both kernels at 1 and 32 rows: bench/xla_fp8_fold.py, RESULTS session 25.)"""
     meta = qw.meta
     if interpret is None:
         interpret = jax.devices()[0].platform == "cpu"
@@ -237,11 +233,6 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
         raise TypeError(f"fp8 kernel: unknown keywords {bad}")
     tuned("fp8 gemv", GEMV, gt, also=("splits",))  # checked here too: rows past max_m never reach gemv
     nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
-    if layer is None and M <= (XLA_FOLD_MAX_M if xla_max_m is None else xla_max_m):
-        from jaxserve.kernels.quant_matmul import xla_fp8
-
-        if xla_fp8.supports(qw, BLOCK_SCALES):
-            return xla_fp8.fold_matmul(x, qw, xdtype=jnp.float32 if xla_f32 else None)
     if nk and M <= (GEMV["max_m"] if gemv_max_m is None else gemv_max_m):
         return gemv(x, qw, layer=layer, splits=gt.pop("splits", splits), split_out=split_out, interpret=interpret, **gt)
     q, s, layer = _layered(qw, layer, "scale")

@@ -1,5 +1,9 @@
 """FP8 block-wise decode matmuls through XLA's own GEMM: the 128x128 block scales folded into x.
 
+An experiment (session 24), not in the engine: on an H100 (session 25) XLA made each call a reduction
+fusion, not a streaming GEMM, 1.1-1.4x slower than the Pallas GEMV at one row and 1.4-2x slower than
+the tensor-core kernel at 32 rows (bench/RESULTS.md); bench/fp8_gpu.py times it against them.
+
 An FP8 block-wise checkpoint has one scale per (128 rows of K, 128 columns) block, so within a
 128-column block j the scale is a function of k alone: y[:, j] = (x * s[:, j] expanded over each
 group's 128 rows) @ W[:, j]. That is a GEMM batched over the N/128 column blocks, whose weight operand
