@@ -136,6 +136,38 @@ def test_n_choices_differ_and_stop_strings(llm):
     assert cut.text == full[:full.index(stop)]
 
 
+def test_stop_token_text_min_tokens_and_choice_seeds(llm):
+    """vLLM's rules: a stop token id's (or EOS's) own text is not output unless
+    include_stop_str_in_output; stop strings only count from min_tokens output tokens on; a request's
+    n choices get seeds unrelated to neighbouring seeds, and seeds are not cut to 31 bits."""
+    full = llm.generate(PROMPTS[2], _greedy(32))[0].outputs[0]
+    ids, text = full.token_ids, full.text
+    k = next(i for i in range(3, len(ids)) if llm.get_tokenizer().decode([ids[i]]).strip())
+    stop_id = ids[k]
+    kept = llm.generate(PROMPTS[2], _greedy(32, stop_token_ids=[stop_id]))[0].outputs[0]
+    first = ids.index(stop_id)
+    assert kept.finish_reason == "stop" and kept.stop_reason == stop_id and kept.token_ids == ids[:first + 1]
+    tok = llm.get_tokenizer()
+    assert kept.text == tok.decode(ids[:first]), (kept.text, tok.decode(ids[:first + 1]))
+    shown = llm.generate(PROMPTS[2], _greedy(32, stop_token_ids=[stop_id], include_stop_str_in_output=True))[0]
+    assert shown.outputs[0].text == tok.decode(ids[:first + 1])
+    # a stop string completed before min_tokens tokens does not end the output
+    stop = tok.decode(ids[1:2]).strip() or tok.decode(ids[1:2])
+    hit = next(i for i in range(len(ids)) if stop in tok.decode(ids[:i + 1]))
+    early = llm.generate(PROMPTS[2], _greedy(32, stop=[stop]))[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) == hit + 1
+    late = llm.generate(PROMPTS[2], _greedy(32, stop=[stop], min_tokens=hit + 6))[0].outputs[0]
+    assert len(late.token_ids) >= hit + 6 and late.token_ids[:hit + 6] == ids[:hit + 6]
+    # seeds: choice 1 of seed s is not choice 0 of seed s + 1; seeds differing above bit 31 differ
+    sp = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    three = llm.generate(PROMPTS[3], SamplingParams(n=3, seed=42, **sp))[0].outputs
+    nxt = llm.generate(PROMPTS[3], SamplingParams(seed=43, **sp))[0].outputs[0]
+    assert three[1].token_ids != nxt.token_ids
+    outs = [llm.generate(PROMPTS[3], SamplingParams(seed=s, **sp))[0].outputs[0].token_ids
+            for s in (5, 5 + 2 ** 31, 5 + 2 ** 40, 5)]
+    assert outs[0] == outs[3] and len({tuple(o) for o in outs[:3]}) == 3
+
+
 def test_logprobs_and_penalties(llm):
     out = llm.generate(PROMPTS[1], _greedy(8, logprobs=5))[0].outputs[0]
     assert len(out.logprobs) == 8

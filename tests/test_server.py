@@ -304,6 +304,30 @@ def test_completions_logprobs_and_echo(client, url):
         model="smol", prompt="1, 2, 3,", max_tokens=2, temperature=0, logprobs=2).text), "CreateCompletionResponse")
 
 
+def test_logprobs_of_tokens_that_split_characters(client, url):
+    """Tokens holding part of a UTF-8 character (emoji, CJK) carry their own bytes: chat's `bytes`
+    rebuild the reply, such tokens are named "bytes:\\x.." (OpenAI's form) so top-logprob keys stay
+    distinct, and text offsets count characters of the returned text."""
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Reply with only emojis: 😀😃😄"}],
+                                       max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].message.content
+    entries = r.choices[0].logprobs.content
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace") == content
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+    prompt = "Emoji list: 🍎🍌🍇 and 東京 too"
+    status, body = post_json(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True,
+                                                       "logprobs": 5, "temperature": 0})
+    assert status == 200, body
+    lp, text = body["choices"][0]["logprobs"], body["choices"][0]["text"]
+    assert text == prompt and any(t.startswith("bytes:\\x") for t in lp["tokens"])
+    assert all(len(top) >= 5 for top in lp["top_logprobs"][1:])
+    for tok, x, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top[tok] == pytest.approx(x, abs=1e-5)
+    offs = lp["text_offset"]
+    assert offs == sorted(offs) and offs[-1] < len(text) and offs[0] == 0
+    assert text[offs[-1]:] == " too"
+
+
 # ----------------------------------------------------------------------------- concurrency
 
 async def _post(session, url, body):

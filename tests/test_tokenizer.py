@@ -75,6 +75,27 @@ def test_decode_matches_transformers(pair):
             assert ours.decode(ids) == text
 
 
+def test_token_bytes_rebuild_the_text(pair):
+    """token_bytes: the bytes each token adds (logprobs' `bytes`), including tokens that hold part of a
+    UTF-8 character (byte-level BPE's byte alphabet, SentencePiece's <0xNN> byte fallback): joined, they
+    are the decoded text's UTF-8, and a token whose bytes are whole characters reads as transformers'
+    piece does."""
+    which, ours, hf = pair
+    partial = 0
+    for text in CORPUS + _random_corpus(seed=2):
+        ids = ours.encode(text, add_special_tokens=False)
+        pieces = [ours.token_bytes(i) for i in ids]
+        assert b"".join(pieces).decode("utf-8") == ours.decode(ids, skip_special_tokens=False), repr(text)
+        for p in pieces:
+            try:
+                p.decode("utf-8")
+            except UnicodeDecodeError:
+                partial += 1
+    assert partial > 0  # the emoji and CJK lines do split characters across tokens
+    word = ours.encode(" hello", add_special_tokens=False)
+    assert len(word) == 1 and ours.token_bytes(word[0]) == b" hello"
+
+
 def test_properties(pair):
     which, ours, hf = pair
     assert ours.vocab_size == len(hf)

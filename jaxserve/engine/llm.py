@@ -266,6 +266,11 @@ class LLM:
         images = images if isinstance(images, (list, tuple)) else [images]
         return self.engine.multimodal_prompt(text if text is not None else p["prompt_token_ids"], list(images))
 
+    def get_tokenizer(self):
+        """The model's tokenizer (jaxserve.loader.tokenizer.Tokenizer: encode, decode,
+        apply_chat_template's template), as vLLM's LLM.get_tokenizer()."""
+        return self.tokenizer
+
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> str:
         from jaxserve.loader.chat_template import ChatTemplate

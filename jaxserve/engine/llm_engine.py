@@ -20,7 +20,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.lora_slots import LoraSlotError, LoraSlots
 from jaxserve.engine.output import SeqOutput, TextState
-from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError, choice_seed
 from jaxserve.engine.sequence import FinishReason, Sequence, SeqStatus
 
 log = logging.getLogger("jaxserve.engine")
@@ -685,9 +685,9 @@ class LLMEngine:
         lora_mix, lora_key = self._resolve_lora(lora_request)
         seqs = []
         for i in range(params.n):
-            seed = (params.seed + i) if params.seed is not None else self._rng.getrandbits(31)
+            seed = choice_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(31)
             seq = Sequence(request_id=request_id, prompt_token_ids=list(prompt_ids), params=params,
-                           choice_index=i, sample_seed=seed & 0x7FFFFFFF, mm=mm, lora_mix=lora_mix,
+                           choice_index=i, sample_seed=seed, mm=mm, lora_mix=lora_mix,
                            lora_key=lora_key)
             if params.structured is not None:
                 seq.matcher = self.grammar_compiler.matcher(params.structured, prompt_ids)

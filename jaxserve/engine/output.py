@@ -49,17 +49,23 @@ class TextState:
         self.num_tokens = len(seq.output_token_ids)
         stops = seq.params.stop
         hit_stop = None
+        p = seq.params
+        last = len(seq.output_token_ids) - 1
         for j, tok in enumerate(new_ids):
+            if (start + j == last and seq.is_finished and seq.ended_on_token
+                    and not p.include_stop_str_in_output):
+                continue  # the EOS / stop token's own text is not output (vLLM's rule)
             delta = self.detok.add([tok])
             if not delta:
                 continue
             search_from = max(0, len(self.text) - self.holdback)
             self.text += delta
-            if stops:
+            # stop strings count from min_tokens output tokens on (vLLM checks none before)
+            if stops and start + j + 1 >= p.min_tokens:
                 hit = self._find_stop(search_from)
                 if hit is not None:
                     pos, s = hit
-                    end = pos + len(s) if seq.params.include_stop_str_in_output else pos
+                    end = pos + len(s) if p.include_stop_str_in_output else pos
                     self.text = self.text[:end]
                     # Tokens after the one that completed the stop string are dropped.
                     keep = start + j + 1

@@ -114,3 +114,14 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int = 0
     lora_path: str | None = None
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The 31-bit sampling seed of choice `choice` of a request seeded with `seed` (any int: OpenAI's
+    seeds are 64-bit). A splitmix64 mix of both, so that choice 1 of seed s is not choice 0 of s + 1
+    and seeds that differ above bit 31 differ."""
+    M = (1 << 64) - 1
+    z = ((seed & M) * 0x9E3779B97F4A7C15 + (choice + 1) * 0xBF58476D1CE4E5B9) & M
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+    return (z ^ (z >> 31)) & 0x7FFFFFFF

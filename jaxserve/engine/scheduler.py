@@ -359,9 +359,11 @@ class Scheduler:
         if len(seq.output_token_ids) > p.min_tokens:
             if tok in p.stop_token_ids:
                 seq.finish(FinishReason.STOP, tok)
+                seq.ended_on_token = True
                 return True
             if not p.ignore_eos and eos_check(tok):
                 seq.finish(FinishReason.STOP)
+                seq.ended_on_token = True
                 return True
         if p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens:
             seq.finish(FinishReason.LENGTH)

@@ -40,6 +40,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    ended_on_token: bool = False  # its last token is an EOS or stop token id (its text is not output)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (last) admission

@@ -13,9 +13,11 @@ chat template already started with BOS never gets a second one.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -36,6 +38,23 @@ _LLAMA3_PRES = {"llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx
 _QWEN2_PRES = {"qwen2", "deepseek-r1-qwen", "megrez"}
 
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table), inverted: char -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_GPT2_BYTE_OF = _gpt2_byte_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _byte_level_pre(pre: str | None):
@@ -125,6 +144,45 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes one token adds to the text (for logprobs: a token can hold part of a UTF-8
+        character, which decoding it alone turns into U+FFFD). Byte-level BPE pieces map back through
+        GPT-2's byte alphabet; SentencePiece pieces are '▁' for a space and <0xNN> byte-fallback tokens;
+        added tokens are their own text; anything else, the token decoded alone."""
+        i = int(i)
+        piece = self._tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if i not in self._added_ids:
+            kind = self._piece_kind()
+            if kind == "byte_level":
+                try:
+                    return bytes(_GPT2_BYTE_OF[c] for c in piece)
+                except KeyError:
+                    pass
+            elif kind == "spm":
+                m = _BYTE_PIECE.fullmatch(piece)
+                return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
+        else:
+            return piece.encode("utf-8")
+        return self._tok.decode([i], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _added_ids(self) -> set[int]:
+        return set(self._tok.get_added_tokens_decoder())
+
+    def _piece_kind(self) -> str:
+        """'byte_level', 'spm' or 'other', from the tokenizer's decoder."""
+        kind = self.__dict__.get("_kind")
+        if kind is None:
+            dec = json.loads(self._tok.to_str()).get("decoder") or {}
+            steps = dec.get("decoders", [dec]) if dec.get("type") == "Sequence" else [dec]
+            types = {d.get("type") for d in steps}
+            spm = any(d.get("type") == "Replace" and (d.get("pattern") or {}).get("String") == "\u2581"
+                      for d in steps) or "Metaspace" in types
+            kind = self.__dict__["_kind"] = ("byte_level" if "ByteLevel" in types else "spm" if spm else "other")
+        return kind
 
     def token_to_id(self, s: str) -> int | None:
         return self._tok.token_to_id(s)

@@ -8,6 +8,7 @@ which frees the KV blocks before the engine's next step).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import math
 import time
@@ -200,34 +201,38 @@ def chat_logprobs(state, token_ids: list[int], entries: list) -> list[dict]:
         if e is None:
             continue
         lp, top = e
-        s = state.token_text(tid)
-        out.append({"token": s, "logprob": safe_lp(lp), "bytes": list(s.encode("utf-8")),
-                    "top_logprobs": [{"token": (t := state.token_text(a)), "logprob": safe_lp(b),
-                                      "bytes": list(t.encode("utf-8"))} for a, b in top]})
+        s, raw, _ = state.token_piece(tid)
+        tops = []
+        for a, b in top:
+            t, traw, _ = state.token_piece(a)
+            tops.append({"token": t, "logprob": safe_lp(b), "bytes": list(traw)})
+        out.append({"token": s, "logprob": safe_lp(lp), "bytes": list(raw), "top_logprobs": tops})
     return out
 
 
 class CompletionLogprobBuilder:
-    """Legacy completions logprobs: parallel lists, text offsets counted over the returned text."""
+    """Legacy completions logprobs: parallel lists, text offsets counted in characters over the tokens'
+    bytes (a token holding part of a character gets the offset where that character starts)."""
 
     def __init__(self, state, offset: int = 0):
         self.state = state
         self.offset = offset
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def build(self, token_ids: list[int], entries: list, first_is_null: bool = False) -> dict:
         tokens, lps, tops, offs = [], [], [], []
         for j, tid in enumerate(token_ids):
-            s = self.state.token_text(tid)
+            s, raw, _ = self.state.token_piece(tid)
             tokens.append(s)
             offs.append(self.offset)
-            self.offset += len(s)
+            self.offset += len(self._utf8.decode(raw))
             e = entries[j] if j < len(entries) else None
             if e is None or (first_is_null and j == 0):
                 lps.append(None)
                 tops.append(None)
                 continue
             lp, top = e
-            d = {self.state.token_text(a): safe_lp(b) for a, b in top}
+            d = {self.state.token_piece(a)[0]: safe_lp(b) for a, b in top}
             d.setdefault(s, safe_lp(lp))  # the chosen token is always listed (up to logprobs+1)
             lps.append(safe_lp(lp))
             tops.append(d)

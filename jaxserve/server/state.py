@@ -37,7 +37,7 @@ class ServerState:
         self.adapters: dict[str, str] = {}  # multi-LoRA: served adapter name -> its directory
         self.defaults: dict = {}
         self.metrics = Metrics(self._engine_stats)
-        self._token_text: dict[int, str] = {}
+        self._token_text: dict[int, tuple[str, bytes, str]] = {}
         # /v1/responses kept for previous_response_id and GET (server/responses.py): id -> entry, oldest first
         self.responses: collections.OrderedDict = collections.OrderedDict()
 
@@ -142,18 +142,27 @@ class ServerState:
             raise APIError(503, "the model is still loading; poll /health until it answers 200")
 
     def token_text(self, tid: int) -> str:
-        """Text of one token as it reads alone (for logprobs); cached per id."""
-        s = self._token_text.get(tid)
-        if s is None:
+        """Text of one token as it reads alone (for /tokenize); cached per id."""
+        return self.token_piece(tid)[2]
+
+    def token_piece(self, tid: int) -> tuple[str, bytes, str]:
+        """(logprob token string, its bytes, its text decoded alone) of one token; cached per id. A token
+        holding part of a UTF-8 character is named by its bytes, "bytes:\\xf0\\x9f" (OpenAI's form),
+        so that such tokens stay distinct and `bytes` rebuilds the text."""
+        got = self._token_text.get(tid)
+        if got is None:
             tok = self.engine.tokenizer
             try:
-                s = tok.decode([tid], skip_special_tokens=False)
+                alone = tok.decode([tid], skip_special_tokens=False) or tok.id_to_token(tid) or ""
             except Exception:
-                s = ""
-            if not s:
-                try:
-                    s = tok.id_to_token(tid) or ""
-                except Exception:
-                    s = ""
-            self._token_text[tid] = s
-        return s
+                alone = ""
+            try:
+                raw = tok.token_bytes(tid)
+            except Exception:
+                raw = alone.encode("utf-8")
+            try:
+                name = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                name = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            got = self._token_text[tid] = (name, raw, alone)
+        return got
