@@ -111,6 +111,12 @@ def test_prefix_cache_hit_and_same_output(llm):
     assert b.num_cached_tokens >= 64 and c.num_cached_tokens >= 64
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert llm.engine.block_manager.prefix_hits_tokens > 0
+    # penalties count every earlier token on the device: a penalized request takes no cached blocks
+    # (a cached prefix would go uncounted and change the output), and gets the same tokens each time
+    pen = _greedy(12, repetition_penalty=1.3)
+    d, e = (llm.generate(system + "Name a fruit.", pen)[0] for _ in range(2))
+    assert d.num_cached_tokens == 0 and e.num_cached_tokens == 0
+    assert d.outputs[0].token_ids == e.outputs[0].token_ids
 
 
 def test_seeded_sampling_is_batch_invariant(llm):
@@ -208,6 +214,13 @@ def test_preemption_gives_same_greedy_output():
     together = small.generate(prompts, _greedy(48))
     assert [o.outputs[0].token_ids for o in together] == alone
     assert small.engine.num_preemptions > 0
+    # with a frequency penalty, a preempted sequence's counts come back whole (it recomputes its
+    # context instead of taking its own cached blocks, whose tokens would go uncounted)
+    n = small.engine.num_preemptions
+    pen = _greedy(48, frequency_penalty=0.3)
+    alone = [small.generate(p, pen)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in small.generate(prompts, pen)] == alone
+    assert small.engine.num_preemptions > n
     bm = small.engine.block_manager
     assert bm.num_used_blocks == 0
 
@@ -295,3 +308,32 @@ def test_structured_output_beside_free_sequences(llm):
         assert o.token_ids == llm.generate(p, _greedy(20))[0].outputs[0].token_ids
     # the greedy constrained output is reproducible alone
     assert llm.generate(prompts[0], params[0])[0].outputs[0].text == outs[0].text
+
+
+def test_prompt_forms_chat_prompt_and_parameter_errors(llm):
+    """Token ids as any integer sequence (a numpy array too) give the list's output; chat() returns the
+    rendered template as `prompt` and takes chat_template_kwargs; bad parameters are ValueErrors at
+    construction (NaN temperature / repetition penalty, min_tokens > max_tokens, a non-integer seed),
+    and a prompt of another type is a TypeError before anything runs."""
+    ids = llm.get_tokenizer().encode(PROMPTS[4])
+    want = llm.generate(ids, _greedy(6))[0].outputs[0].token_ids
+    for form in (np.array(ids), tuple(ids), [np.int64(t) for t in ids]):
+        assert llm.generate(form, _greedy(6))[0].outputs[0].token_ids == want
+        assert llm.generate([form, ids], _greedy(6))[0].outputs[0].token_ids == want
+    msgs = [{"role": "user", "content": "Say hi"}]
+    out = llm.chat(msgs, _greedy(4))[0]
+    assert out.prompt == llm.apply_chat_template(msgs) and out.prompt.rstrip().endswith("assistant")
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt)
+    assert llm.chat(msgs, _greedy(4), chat_template_kwargs={"add_extra": 1})[0].outputs[0].token_ids == \
+        out.outputs[0].token_ids  # a variable the template does not use changes nothing
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(msgs, _greedy(4), chat_template_kwargs={"tools": []})
+    for kw, what in [(dict(temperature=float("nan")), "temperature"),
+                     (dict(temperature=float("inf")), "temperature"),
+                     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+                     (dict(min_tokens=10, max_tokens=3), "min_tokens"), (dict(seed=1.5), "seed")]:
+        with pytest.raises(ValueError, match=what):
+            SamplingParams(**kw)
+    with pytest.raises(TypeError, match="prompt"):
+        llm.generate([ids, 3.5], _greedy(2))
+    assert not llm.engine.has_unfinished()

@@ -557,8 +557,8 @@ def test_randomized_stress(seed, num_blocks, arrivals):
             pending -= 1
             prompt = rng.choice(systems) + [rng.randrange(3, 9000) for _ in range(rng.randrange(1, 40))]
             prompt = prompt[:80]
-            s = seq(prompt, f"q{pending}", max_tokens=rng.randrange(1, 40),
-                    ignore_eos=rng.random() < 0.3, min_tokens=rng.choice([0, 0, 2]))
+            mt, ie, mn = rng.randrange(1, 40), rng.random() < 0.3, rng.choice([0, 0, 2])
+            s = seq(prompt, f"q{pending}", max_tokens=mt, ignore_eos=ie, min_tokens=min(mn, mt))
             assert sched.check_prompt_fits(len(prompt), s.params.max_tokens) is None
             sched.add(s)
             all_seqs.append(s)

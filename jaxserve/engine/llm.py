@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence as Seq
 
@@ -237,9 +239,10 @@ class LLM:
         (None entries: the base model), one per prompt; the prompts run in one batch. A LoRARequest whose
         lora_path is not loaded yet is loaded on demand into a free adapter slot (max_loras), evicting
         the least recently used on-demand adapter; more adapters than slots run in turns."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = [self._prompt_from_dict(p) if isinstance(p, dict) else p for p in prompts]
+        if isinstance(prompts, (str, dict)) or (not isinstance(prompts, str) and len(prompts)
+                                                and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]  # one prompt (text, dict or token ids: a list, tuple or 1-d array)
+        prompts = [self._prompt_from_dict(p) if isinstance(p, dict) else _prompt_value(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -282,13 +285,19 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request=None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each RequestOutput's `prompt` is the rendered
+        template text. chat_template_kwargs: extra template variables (e.g. {"enable_thinking": False})."""
         self._need_generative()
+        kw = dict(chat_template_kwargs or {})
+        clash = sorted(set(kw) & {"messages", "tools", "add_generation_prompt"})
+        if clash:
+            raise ValueError(f"chat_template_kwargs cannot set {clash}: pass them as chat()'s own arguments")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in convs:
             if getattr(self.engine, "vision", None) is None:
-                prompts.append(self.tokenizer.encode(self.apply_chat_template(c, tools, add_generation_prompt)))
+                prompts.append(self.apply_chat_template(c, tools, add_generation_prompt, **kw))
                 continue
             # multimodal: image parts become {"type": "image"} for the template, the images go alongside
             from jaxserve.loader.image import load_source, split_content
@@ -300,7 +309,7 @@ class LLM:
                 parts, srcs = split_content(parts, f"messages[{i}].content")
                 msgs.append(dict(m, content=parts))
                 images += [load_source(x) for x in srcs]
-            text = self.apply_chat_template(msgs, tools, add_generation_prompt)
+            text = self.apply_chat_template(msgs, tools, add_generation_prompt, **kw)
             prompts.append(self.engine.multimodal_prompt(self.tokenizer.encode(text), images, text))
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
@@ -329,3 +338,16 @@ class LLM:
             lps = [None] + [lp for lp, _ in o.prompt_logprobs[1:]]
             res.append(ScoreOutput(text, o.prompt_token_ids, lps))
         return res
+
+
+def _prompt_value(p):
+    """A text, a MultiModalPrompt, or token ids from any sequence of integers (list, tuple, numpy array)."""
+    from jaxserve.engine.multimodal import MultiModalPrompt
+
+    if isinstance(p, (str, MultiModalPrompt)):
+        return p
+    try:
+        return [operator.index(t) for t in p]
+    except TypeError:
+        raise TypeError(f"a prompt is a string, a sequence of integer token ids or a dict; got "
+                        f"{type(p).__name__}") from None

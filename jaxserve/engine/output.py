@@ -60,8 +60,8 @@ class TextState:
                 continue
             search_from = max(0, len(self.text) - self.holdback)
             self.text += delta
-            # stop strings count from min_tokens output tokens on (vLLM checks none before)
-            if stops and start + j + 1 >= p.min_tokens:
+            # none of the first min_tokens output tokens ends the output (as EOS / stop ids in _stops)
+            if stops and start + j + 1 > p.min_tokens:
                 hit = self._find_stop(search_from)
                 if hit is not None:
                     pos, s = hit

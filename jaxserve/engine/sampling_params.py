@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from jaxserve.engine.structured import StructuredOutput
@@ -63,8 +65,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be >= 1, got {self.n}", "n")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not (0 <= self.temperature < math.inf):  # NaN fails too
+            bad(f"temperature must be a finite number >= 0, got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
@@ -75,12 +77,16 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         if not -2 <= self.frequency_penalty <= 2:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+        if not (0 < self.repetition_penalty < math.inf):
+            bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}", "repetition_penalty")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if self.min_tokens < 0:
             bad(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            bad(f"seed must be an integer, got {self.seed!r}", "seed")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= max_logprobs:
@@ -98,6 +104,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Repetition / presence / frequency penalties: they need every earlier token counted on the device."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
@@ -121,7 +132,7 @@ def choice_seed(seed: int, choice: int) -> int:
     seeds are 64-bit). A splitmix64 mix of both, so that choice 1 of seed s is not choice 0 of s + 1
     and seeds that differ above bit 31 differ."""
     M = (1 << 64) - 1
-    z = ((seed & M) * 0x9E3779B97F4A7C15 + (choice + 1) * 0xBF58476D1CE4E5B9) & M
+    z = ((int(seed) & M) * 0x9E3779B97F4A7C15 + (choice + 1) * 0xBF58476D1CE4E5B9) & M
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
     return (z ^ (z >> 31)) & 0x7FFFFFFF
