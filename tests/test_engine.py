@@ -320,6 +320,8 @@ def test_prompt_forms_chat_prompt_and_parameter_errors(llm):
     for form in (np.array(ids), tuple(ids), [np.int64(t) for t in ids]):
         assert llm.generate(form, _greedy(6))[0].outputs[0].token_ids == want
         assert llm.generate([form, ids], _greedy(6))[0].outputs[0].token_ids == want
+    assert llm.generate((p for p in [ids]), _greedy(6))[0].outputs[0].token_ids == want  # any iterable
+    assert llm.generate({"prompt_token_ids": np.array(ids)}, _greedy(6))[0].outputs[0].token_ids == want
     msgs = [{"role": "user", "content": "Say hi"}]
     out = llm.chat(msgs, _greedy(4))[0]
     assert out.prompt == llm.apply_chat_template(msgs) and out.prompt.rstrip().endswith("assistant")

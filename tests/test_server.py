@@ -567,6 +567,16 @@ def test_extreme_values_never_break_the_engine(url):
     assert m["jaxserve_engine_step_failures_total"] == 0 and get_json(f"{url}/health")[0] == 200
 
 
+def test_max_tokens_past_the_context_ends_with_length(url):
+    """README: a max_tokens the prompt leaves no room for is not refused: the reply stops at
+    max_model_len (2,048 here) with "length"; min_tokens above max_tokens is a 400."""
+    status, r = post_json(f"{url}/v1/completions", {"prompt": [19556] * 2040, "max_tokens": 100, "temperature": 0})
+    assert status == 200, r
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 8
+    status, r = post_json(f"{url}/v1/completions", {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3})
+    assert status == 400 and r["error"]["param"] == "min_tokens", r
+
+
 def test_queue_full_is_429(url):
     # 16 rows, at most 64 waiting: a burst of 120 requests overflows the queue
     async def go():

@@ -239,9 +239,9 @@ class LLM:
         (None entries: the base model), one per prompt; the prompts run in one batch. A LoRARequest whose
         lora_path is not loaded yet is loaded on demand into a free adapter slot (max_loras), evicting
         the least recently used on-demand adapter; more adapters than slots run in turns."""
-        if isinstance(prompts, (str, dict)) or (not isinstance(prompts, str) and len(prompts)
-                                                and isinstance(prompts[0], numbers.Integral)):
-            prompts = [prompts]  # one prompt (text, dict or token ids: a list, tuple or 1-d array)
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if prompts and isinstance(prompts[0], numbers.Integral):
+            prompts = [prompts]  # one prompt of token ids (a list, tuple or 1-d array)
         prompts = [self._prompt_from_dict(p) if isinstance(p, dict) else _prompt_value(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -265,7 +265,7 @@ class LLM:
         if mm:
             raise ValueError(f"multi_modal_data: only 'image' is supported, got {sorted(mm)}")
         if images is None:
-            return text if text is not None else list(p["prompt_token_ids"])
+            return text if text is not None else _prompt_value(p["prompt_token_ids"])
         images = images if isinstance(images, (list, tuple)) else [images]
         return self.engine.multimodal_prompt(text if text is not None else p["prompt_token_ids"], list(images))
 

@@ -154,35 +154,28 @@ class Tokenizer:
         piece = self._tok.id_to_token(i)
         if piece is None:
             return b""
-        if i not in self._added_ids:
-            kind = self._piece_kind()
-            if kind == "byte_level":
-                try:
-                    return bytes(_GPT2_BYTE_OF[c] for c in piece)
-                except KeyError:
-                    pass
-            elif kind == "spm":
-                m = _BYTE_PIECE.fullmatch(piece)
-                return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
-        else:
+        if i in self._added_ids:
             return piece.encode("utf-8")
+        if self._piece_kind == "byte_level" and all(c in _GPT2_BYTE_OF for c in piece):
+            return bytes(_GPT2_BYTE_OF[c] for c in piece)
+        if self._piece_kind == "spm":
+            m = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
         return self._tok.decode([i], skip_special_tokens=False).encode("utf-8")
 
     @functools.cached_property
     def _added_ids(self) -> set[int]:
         return set(self._tok.get_added_tokens_decoder())
 
+    @functools.cached_property
     def _piece_kind(self) -> str:
         """'byte_level', 'spm' or 'other', from the tokenizer's decoder."""
-        kind = self.__dict__.get("_kind")
-        if kind is None:
-            dec = json.loads(self._tok.to_str()).get("decoder") or {}
-            steps = dec.get("decoders", [dec]) if dec.get("type") == "Sequence" else [dec]
-            types = {d.get("type") for d in steps}
-            spm = any(d.get("type") == "Replace" and (d.get("pattern") or {}).get("String") == "\u2581"
-                      for d in steps) or "Metaspace" in types
-            kind = self.__dict__["_kind"] = ("byte_level" if "ByteLevel" in types else "spm" if spm else "other")
-        return kind
+        dec = json.loads(self._tok.to_str()).get("decoder") or {}
+        steps = dec.get("decoders", [dec]) if dec.get("type") == "Sequence" else [dec]
+        types = {d.get("type") for d in steps}
+        spm = "Metaspace" in types or any(
+            d.get("type") == "Replace" and (d.get("pattern") or {}).get("String") == "\u2581" for d in steps)
+        return "byte_level" if "ByteLevel" in types else "spm" if spm else "other"
 
     def token_to_id(self, s: str) -> int | None:
         return self._tok.token_to_id(s)

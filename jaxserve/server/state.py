@@ -153,13 +153,11 @@ class ServerState:
         if got is None:
             tok = self.engine.tokenizer
             try:
-                alone = tok.decode([tid], skip_special_tokens=False) or tok.id_to_token(tid) or ""
+                alone = tok.decode([tid], skip_special_tokens=False)
             except Exception:
                 alone = ""
-            try:
-                raw = tok.token_bytes(tid)
-            except Exception:
-                raw = alone.encode("utf-8")
+            alone = alone or tok.id_to_token(tid) or ""
+            raw = tok.token_bytes(tid)
             try:
                 name = raw.decode("utf-8")
             except UnicodeDecodeError:
