@@ -11,7 +11,7 @@
 #                                               pdl pdl-ab pdl-int4 l2 pdl-gen pdl-probe rope-norm-ab
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
-#                                               bf16-prof fp8-fold xla-int4
+#                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -62,6 +62,13 @@ for part in "$@"; do
                    2>&1 | grep -v "^  run" | tail -4 ;;
     # Only the engine part of moe-kernels (session 21: the expert kernels against session 15's XLA-path
     # figures, bs1 80 and 32 sequences 609 tok/s on the H200); needs an H200 (61 GB of bf16 weights)
+    # The same on an 80 GB card: the first 24 of the 48 layers (~31 GB), XLA's gathered-weights path (0)
+    # against the expert kernels (16), a fresh process each (per-layer figures, not the whole model's)
+    moe-engine-24) for t in 0 16; do
+                     timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
+                       --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \
+                       --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -4
+                   done ;;
     moe-engine) timeout 420 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --runs 3 \
                   --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile 16 --json "$OUT/throughput.jsonl" \
                   2>&1 | grep -v "^  run" | tail -4 ;;

@@ -144,8 +144,18 @@ def main(argv=None):
                          "time and the idle gap before it (GPU)")
     ap.add_argument("--lora", default=None, metavar="N:R",
                     help="serve N random LoRA adapters of rank R on every attention/MLP projection")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="the preset with only its first N layers (a model too big for the card measured "
+                         "per layer; figures are then not the whole model's)")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     args = ap.parse_args(argv)
+    if args.num_layers is not None:  # a bench-only variant of the preset, before anything reads it
+        from jaxserve.models import presets
+
+        c = dict(presets.CONFIGS[args.config], num_layers=args.num_layers)
+        if c.get("layer_types"):
+            c["layer_types"] = tuple(c["layer_types"][:args.num_layers])
+        presets.CONFIGS[args.config] = c
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm import LLM
@@ -164,7 +174,8 @@ def main(argv=None):
     wls = parse_workloads(args.workloads)
     ks = [int(k) for k in str(args.decode_steps).split(",")]
     dev = jax.devices()[0]
-    print(f"# jax {jax.__version__} on {dev.device_kind}; {args.config} random {args.dtype}; chunk "
+    print(f"# jax {jax.__version__} on {dev.device_kind}; {args.config}"
+          f"{'' if args.num_layers is None else f' ({args.num_layers} layers)'} random {args.dtype}; chunk "
           f"{args.chunk}; K={','.join(map(str, ks))}; median of {args.runs}", flush=True)
     tps = [int(x) for x in args.tp.split(",")]
     if args.quant != "none" and tps != [1]:
@@ -292,7 +303,7 @@ def main(argv=None):
                            label=f"{n}x{i}x{o} K={k}")
         pre = statistics.median(x[0] for x in runs)
         dec = statistics.median(x[1] for x in runs)
-        row = dict(config=args.config, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
+        row = dict(config=args.config, num_layers=lm.cfg.num_layers, workload=f"{n}x{i}x{o}" + ("" if mode else " sync") + (f" K={k}" if len(ks) > 1 else "")
                    + (f" per_sm={ps}" if ps is not None else "") + (f" split_sums={ss}" if ss else "")
                    + (f" byte_gemv={bgv}" if bgv else "") + (f" tp={tpv}" if len(tps) > 1 else "")
                    + (f" fused_attn={fda}" if fda else ""),
