@@ -30,8 +30,13 @@ if mode == "hold":
         llm.generate(prompts, p)
 outs = llm.generate(prompts, p)
 text = llm.generate(TEXT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0].text
+# a penalized request whose prompt is cached (by the first generate): its row is seeded on every rank
+pen = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=3.0,
+                                               frequency_penalty=1.0))[0]
 print(json.dumps({
     "text": text,
+    "pen": pen.outputs[0].token_ids,
+    "pen_cached": pen.num_cached_tokens,
     "tokens": [o.outputs[0].token_ids for o in outs],
     "logprobs": [[lp for lp, _ in o.outputs[0].logprobs] for o in outs],
     "devices": len(llm.engine.runner.state["k"].sharding.device_set),

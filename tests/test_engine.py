@@ -111,12 +111,20 @@ def test_prefix_cache_hit_and_same_output(llm):
     assert b.num_cached_tokens >= 64 and c.num_cached_tokens >= 64
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert llm.engine.block_manager.prefix_hits_tokens > 0
-    # penalties count every earlier token on the device: a penalized request takes no cached blocks
-    # (a cached prefix would go uncounted and change the output), and gets the same tokens each time
-    pen = _greedy(12, repetition_penalty=1.3)
-    d, e = (llm.generate(system + "Name a fruit.", pen)[0] for _ in range(2))
-    assert d.num_cached_tokens == 0 and e.num_cached_tokens == 0
-    assert d.outputs[0].token_ids == e.outputs[0].token_ids
+    # penalties count every earlier token on the device: a penalized request's cached prefix is counted
+    # into its row (runner._seed_inputs), so it gets the tokens of the whole context computed (a request
+    # owing prompt logprobs skips the cache). The model wants to go on with words of the cached part.
+    count = ("Count with me: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve, "
+             "thirteen, fourteen, fifteen, sixteen, seventeen, eighteen, nineteen, twenty. Once more from "
+             "the start: one, two,")
+    plain = llm.generate(count, _greedy(12))[0].outputs[0].token_ids
+    for pen in (_greedy(12, repetition_penalty=2.0),
+                _greedy(12, frequency_penalty=1.5, presence_penalty=0.5)):
+        ref = llm.generate(count, pen.replace(prompt_logprobs=0))[0]
+        d, e = (llm.generate(count, pen)[0] for _ in range(2))
+        assert ref.num_cached_tokens == 0 and d.num_cached_tokens >= 48 and e.num_cached_tokens >= 48
+        assert d.outputs[0].token_ids == e.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert ref.outputs[0].token_ids != plain
 
 
 def test_seeded_sampling_is_batch_invariant(llm):
@@ -214,13 +222,20 @@ def test_preemption_gives_same_greedy_output():
     together = small.generate(prompts, _greedy(48))
     assert [o.outputs[0].token_ids for o in together] == alone
     assert small.engine.num_preemptions > 0
-    # with a frequency penalty, a preempted sequence's counts come back whole (it recomputes its
-    # context instead of taking its own cached blocks, whose tokens would go uncounted)
+    # with a frequency penalty, a preempted sequence's counts come back whole: its own cached blocks
+    # (prompt and output tokens) are counted into its new row before it goes on
     n = small.engine.num_preemptions
     pen = _greedy(48, frequency_penalty=0.3)
     alone = [small.generate(p, pen)[0].outputs[0].token_ids for p in prompts]
-    assert [o.outputs[0].token_ids for o in small.generate(prompts, pen)] == alone
+    runner, seeded = small.engine.runner, []
+    real = runner._seed_inputs
+    runner._seed_inputs = lambda seq, k: seeded.append(k - seq.num_prompt_tokens) or real(seq, k)
+    try:
+        assert [o.outputs[0].token_ids for o in small.generate(prompts, pen)] == alone
+    finally:
+        del runner._seed_inputs
     assert small.engine.num_preemptions > n
+    assert max(seeded) > 0, "no preempted sequence resumed from cached blocks holding its output tokens"
     bm = small.engine.block_manager
     assert bm.num_used_blocks == 0
 

@@ -81,6 +81,7 @@ def test_two_processes_match_one(model_dir, reference):
     assert got["devices"] == 2
     assert got["tokens"] == reference["tokens"]
     assert got["text"] == reference["text"]
+    assert got["pen"] == reference["pen"] and got["pen_cached"] == reference["pen_cached"] >= 16
     np.testing.assert_allclose(got["logprobs"], reference["logprobs"], atol=1e-5)
 
 

@@ -157,11 +157,6 @@ class BlockManager:
         # cached tokens produce no prompt logprobs, so skip the cache while any are still owed
         if p.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
             return [], []
-        # penalties count every earlier token in the device's per-row state, which is built from the
-        # tokens a step feeds: cached tokens would go uncounted (a prefix hit, or a preempted sequence
-        # meeting its own blocks), so such a sequence computes its whole context
-        if p.has_penalties:
-            return [], []
         bs = self.block_size
         toks = seq.all_token_ids
         max_blocks = (len(toks) - 1) // bs

@@ -33,6 +33,12 @@ from jaxserve.models.weights import KV_CACHE_AXES, ROW_STATE_AXES
 log = logging.getLogger("jaxserve.runner")
 
 
+# Distinct token ids per call of the penalty-seeding program (step.seed_penalty_rows): a penalized
+# sequence's cached prefix is counted into its row in ceil(distinct ids / SEED_LEN) calls.
+SEED_LEN = 1024
+PENALTY_STATE = ("out_counts", "prompt_mask")
+
+
 class RecompileError(RuntimeError):
     """A step needed a program outside the compiled set (a bug: the bucket set must be closed)."""
 
@@ -303,6 +309,8 @@ class ModelRunner:
         keys += [("mixed", t) for t in self.ecfg.token_buckets]
         if self.vision is not None:  # one image at a time (loader/vision_weights.VisionModel.program_sizes)
             keys += [("vision", n) for n in self.vision.program_sizes()]
+        if self.ecfg.enable_prefix_cache:  # a penalized sequence's cached prefix, counted (_seed_inputs)
+            keys.append(("seed", SEED_LEN))
         return keys
 
     def _fn(self, key):
@@ -314,6 +322,8 @@ class ModelRunner:
                       moe_impl="xla" if self.mesh is not None else None, lora_adapters=self.num_adapters)
         if key[0] == "vision":
             return jax.jit(self.vision.program())
+        if key[0] == "seed":
+            return jax.jit(step_mod.seed_penalty_rows, donate_argnums=(0,))
         if key[0] == "decode":
             f = partial(step_mod.decode_step, self.cfg, max_steps=self.ecfg.decode_steps,
                         rope_attend=self.rope_attend, **common)
@@ -331,6 +341,8 @@ class ModelRunner:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
         if key[0] == "vision":
             return (jax.tree.map(spec, self.vision.weights), *self.vision.input_specs(key[1]))
+        if key[0] == "seed":
+            return {k: spec(self.state[k]) for k in PENALTY_STATE}, self._abstract_inputs(key)
         return (jax.tree.map(spec, self.consts), jax.tree.map(spec, self.weights),
                 jax.tree.map(spec, self.state), self._abstract_inputs(key))
 
@@ -455,6 +467,10 @@ class ModelRunner:
         raise RecompileError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
     def _empty_inputs(self, key) -> dict:
+        if key[0] == "seed":  # padding ids (the vocab size) are dropped by the scatter
+            V, L = self.cfg.vocab_size, key[1]
+            return {"row": np.int32(self.R), "reset": np.bool_(False), "prompt_ids": np.full(L, V, np.int32),
+                    "out_ids": np.full(L, V, np.int32), "out_cnt": np.zeros(L, np.int32)}
         S = key[1] if key[0] == "decode" else self.ecfg.max_num_seqs
         st = build_sampling_tensors([], S, [], vocab_size=self.cfg.vocab_size)
         st["allowed"] = self.ones_mask(S)
@@ -515,7 +531,33 @@ class ModelRunner:
         return all(s.num_new == 1 and s.samples and not s.reset_row
                    and s.start >= s.seq.num_prompt_tokens for s in sched.scheduled)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[tuple, dict, list[int]]:
+    def _seed_inputs(self, seq, n: int) -> list[tuple[tuple, dict]]:
+        """Inputs of the seeding calls that give `seq`'s row the penalty state of its first n tokens
+        (a prefix-cache hit: they are not fed to any step): the first call clears the row."""
+        toks, P = np.asarray(seq.token_slice(0, n), np.int64), seq.num_prompt_tokens
+        pids = np.unique(toks[:P])
+        oids, ocnt = np.unique(toks[P:], return_counts=True)
+        calls, L = [], SEED_LEN
+        for c in range(max(1, -(-len(pids) // L), -(-len(oids) // L))):
+            inp = self._empty_inputs(("seed", L))
+            inp["row"], inp["reset"] = np.int32(seq.row), np.bool_(c == 0)
+            a, b = pids[c * L:(c + 1) * L], oids[c * L:(c + 1) * L]
+            inp["prompt_ids"][:len(a)] = a
+            inp["out_ids"][:len(b)], inp["out_cnt"][:len(b)] = b, ocnt[c * L:(c + 1) * L]
+            calls.append((("seed", L), inp))
+        return calls
+
+    def apply_seed(self, key, inp: dict) -> None:
+        """Run one seeding call on the device's penalty state (dispatched before the step that needs it)."""
+        exe = self.compile(key)
+        if self.mesh is not None:
+            from jaxserve.parallel.multihost import put_replicated
+
+            inp = put_replicated(inp, self._replicated)
+        self.state = dict(self.state, **exe({k: self.state[k] for k in PENALTY_STATE}, inp))
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[tuple, dict, list[int], list]:
+        """(program key, its inputs, each item's first token slot, seeding calls to run before it)."""
         items = sched.scheduled
         n = len(items)
         # Prompt log-probs come from steps that still read prompt positions; decode items never need them
@@ -564,12 +606,12 @@ class ModelRunner:
                     for slot, scale in s.seq.lora_mix:
                         inp["lora"][i, slot - 1] = scale
             inp["num_steps"] = np.int32(sched.decode_steps)
-            return key, inp, list(range(len(items)))
+            return key, inp, list(range(len(items))), []
         inp["want_plp"] = np.bool_(want_plp)
         # Layout: single-token items in slots [0, S) (one slot per item index), prompt chunks from
         # S on, each starting on a query tile so a tile never mixes sequences.
         nxt_chunk = S
-        offsets = []
+        offsets, seeds = [], []
         for i, s in enumerate(items):
             seq, P = s.seq, s.seq.num_prompt_tokens
             if s.num_new == 1:
@@ -578,8 +620,13 @@ class ModelRunner:
                 t = nxt_chunk
                 nxt_chunk += -(-s.num_new // Q) * Q
             offsets.append(t)
-            if s.reset_row:
+            reset = s.reset_row
+            if reset:
                 self.row_counted[seq.row] = 0
+                if s.start and seq.params.has_penalties:  # a cached prefix: count it before this step
+                    seeds += self._seed_inputs(seq, s.start)
+                    self.row_counted[seq.row] = max(0, s.start - P)
+                    reset = False
             toks = seq.token_slice(s.start, s.start + s.num_new - len(s.draft)) + list(s.draft)
             pos = np.arange(s.start, s.start + s.num_new)
             sl = slice(t, t + s.num_new)
@@ -600,7 +647,7 @@ class ModelRunner:
             inp["count_output"][t:t + len(fed)] = (fed >= P) & (fed - P >= self.row_counted[seq.row])
             if len(fed) and fed[-1] >= P:
                 self.row_counted[seq.row] = max(self.row_counted[seq.row], int(fed[-1]) - P + 1)
-            inp["reset"][i] = s.reset_row
+            inp["reset"][i] = reset
             inp["sample_idx"][i] = t + s.num_new - 1
             inp["sample_pos"][i] = s.start + s.num_new
             if s.draft:  # its rows' greedy tokens verify the draft (step.py: "verify")
@@ -615,7 +662,7 @@ class ModelRunner:
                 self._put_image_rows(inp, seq, s.start, s.num_new, t)
         if self.vision is not None and not inp["mm_mask"].any():
             inp["mm_embeds"] = self._mm_zeros(inp["mm_embeds"])  # a text-only step: no [T, D] upload
-        return key, inp, offsets
+        return key, inp, offsets, seeds
 
     def _mm_zeros(self, like: np.ndarray):
         """The all-zero image rows of a step of this bucket, kept on the device."""
@@ -645,7 +692,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ execution
     def dispatch(self, sched: SchedulerOutput) -> _Pending:
         """Launch a step; outputs start copying to the host at once (read them with `collect`)."""
-        key, inp, offsets = self.prepare(sched)
+        key, inp, offsets, seeds = self.prepare(sched)
+        for seed in seeds:
+            self.apply_seed(*seed)
         exe = self.compile(key)
         if self.mesh is not None:
             inp = jax.device_put(inp, self._replicated)

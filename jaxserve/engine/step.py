@@ -9,6 +9,8 @@ Two program families, each compiled once per bucket at start-up:
 Device state (donated every step): the paged K/V caches and, per persistent batch row, the output
 token counts and prompt-token mask that the repetition/presence/frequency penalties read, and the
 last token a decode program sampled (the input of a decode step scheduled ahead of the host).
+A third, tiny program (`seed_penalty_rows`) fills a row's penalty state from tokens no step computes:
+a prefix-cache hit's cached tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def _sample(cfg, weights, hidden_rows, state, rows, samples, positions, st, num_
     tgt = jnp.where(samples, rows, R)
     state = dict(state, out_counts=state["out_counts"].at[tgt, out["tokens"]].add(1, mode="drop"))
     return out, state
+
+
+def seed_penalty_rows(pen, inp):
+    """pen {"out_counts", "prompt_mask"} (donated): row inp["row"] cleared when inp["reset"], then its
+    prompt mask set at inp["prompt_ids"] and its output counts raised by inp["out_cnt"] at
+    inp["out_ids"] (the host's histogram of the cached tokens; padding ids = vocab size, dropped)."""
+    oc, pm = pen["out_counts"], pen["prompt_mask"]
+    reset = jnp.where(inp["reset"], inp["row"], oc.shape[0])
+    oc, pm = oc.at[reset].set(0, mode="drop"), pm.at[reset].set(False, mode="drop")
+    return {"out_counts": oc.at[inp["row"], inp["out_ids"]].add(inp["out_cnt"], mode="drop"),
+            "prompt_mask": pm.at[inp["row"], inp["prompt_ids"]].set(True, mode="drop")}
 
 
 PLP_CHUNK = 512  # rows of prompt log-probs computed at once (mixed_step)

@@ -322,11 +322,13 @@ def leader_runner_cls(bus: StepBus):
 
     class LeaderRunner(ModelRunner):
         def prepare(self, sched):
-            # (key, numpy inputs, host-only extras...): only the key and the inputs cross hosts.
-            key, inp, *rest = super().prepare(sched)
+            # (key, numpy inputs, slots, seeding calls): the keys and inputs cross hosts, seeding first.
+            key, inp, offsets, seeds = super().prepare(sched)
+            for skey, sinp in seeds:
+                bus.publish(("seed", skey, sinp))
             bus.publish(("step", key, _pack_step(inp)))
             # Already global arrays: dispatch's device_put onto the same sharding is then a no-op.
-            return (key, put_replicated(inp, self._replicated), *rest)
+            return key, put_replicated(inp, self._replicated), offsets, seeds
 
     return LeaderRunner
 
@@ -362,7 +364,10 @@ def follow(runner) -> int:
             c.watchdog.stop()
             log.info("rank %d: rank 0 stopped after %d steps", c.rank, steps)
             return steps
-        _, key, inp = msg
+        kind, key, inp = msg
+        if kind == "seed":  # a penalized sequence's cached prefix, counted into its row
+            runner.apply_seed(key, inp)
+            continue
         inp = _unpack_step(inp, runner.ones_mask)
         exe = runner.compile(key)
         inp = put_replicated(inp, runner._replicated)
