@@ -126,16 +126,18 @@ def test_real_config_and_weights(real):
 # ---- synthetic files for the other architectures ----------------------------------------------------
 
 def _write_tiny(path, arch, *, bias=False, qk_norm=False, sandwich=False, untied=False, extra=None, split=0, hd=16,
-                tensors=None):
+                tensors=None, replace=None, skip=(), skip_meta=()):
+    """replace: tensor name -> (raw bytes [rows, row bytes], ggml type) written instead; skip: tensor names
+    left out; skip_meta: GGUFWriter add_* methods not called."""
     import gguf
 
     L, D, F, H, KV, V = 2, 64, 96, 4, 2, 128
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split)
-    w.add_block_count(L)
+    for fn, value in (("add_block_count", L), ("add_embedding_length", D), ("add_feed_forward_length", F),
+                      ("add_head_count", H)):
+        if fn not in skip_meta:
+            getattr(w, fn)(value)
     w.add_context_length(2048)
-    w.add_embedding_length(D)
-    w.add_feed_forward_length(F)
-    w.add_head_count(H)
     w.add_head_count_kv(KV)
     w.add_key_length(hd)
     w.add_value_length(hd)
@@ -151,7 +153,11 @@ def _write_tiny(path, arch, *, bias=False, qk_norm=False, sandwich=False, untied
     rng = np.random.default_rng(0)
 
     def t(name, *shape):
-        w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+        a = rng.standard_normal(shape).astype(np.float32)
+        if name in (replace or {}):
+            w.add_tensor(name, replace[name][0], raw_dtype=replace[name][1])
+        elif name not in skip:
+            w.add_tensor(name, a)
 
     for name, value in (tensors or {}).items():
         w.add_tensor(name, value)
@@ -311,3 +317,63 @@ def test_fast_reader_builds_the_same_fields(tmp_path):
     assert fast.fields["tokenizer.ggml.tokens"].contents(301) == "é ▁x"
     (tf,), (tb,) = fast.tensors, base.tensors
     assert tf.name == tb.name and np.array_equal(tf.data, tb.data) and tf.data_offset == tb.data_offset
+
+
+# ---- bad files: clear errors naming the file, tensor, type or key ------------------------------------
+
+def test_truncated_or_corrupt_gguf_fails_naming_the_file_and_tensor(tmp_path):
+    from jaxserve.loader.gguf_reader import GGUFError
+
+    path = tmp_path / "m.gguf"
+    _write_tiny(path, "llama")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])  # cut in the middle of the tensor data
+    with pytest.raises(GGUFError, match=r"cut\.gguf: tensor 'blk\.\d\.\w+\.weight' \(F32 \[\d+, \d+\]\) lies at "
+                                        r"bytes \d+\.\.\d+, past the end of the file .* truncated"):
+        open_gguf(cut)
+    for name, raw, match in (("empty.gguf", b"", "is empty"),
+                             ("text.gguf", b"not a gguf file " * 8, "GGUF magic invalid"),
+                             ("header.gguf", data[:200], r"header is truncated or corrupt")):
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(GGUFError, match=rf"{name}.*{match}|{match}.*{name}"):
+            open_gguf(tmp_path / name)
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "TQ1_0", "IQ4_NL"])
+def test_unsupported_tensor_type_fails_before_any_tensor_is_read(tmp_path, qtype):
+    """A type the loader cannot decode is named with its tensor at the start of the load (not after every
+    tensor before it has been read), packed or not."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[T]
+    raw = np.zeros((64, 512 // block * size), np.uint8)  # blk.1.attn_output [64, 512]: whole blocks per row
+    path = tmp_path / "m.gguf"
+    _write_tiny(path, "llama", hd=128, replace={"blk.1.attn_output.weight": (raw, T)})
+    rd = open_gguf(path)
+    cfg = gguf_model_config(rd)
+    for packed in (False, True):
+        with pytest.raises(ValueError, match=rf"blk\.1\.attn_output\.weight \({qtype}\): ggml type not supported"):
+            next(iter_gguf_tensors(rd, cfg, packed=packed))
+
+
+def test_missing_tensor_is_named_before_any_tensor_is_read(tmp_path):
+    path = tmp_path / "m.gguf"
+    _write_tiny(path, "llama", untied=True, skip={"blk.1.attn_k.weight", "output_norm.weight"})
+    rd = open_gguf(path)
+    with pytest.raises(ValueError, match=r"missing tensor\(s\) output_norm\.weight, blk\.1\.attn_k\.weight"):
+        next(iter_gguf_tensors(rd, gguf_model_config(rd)))
+
+
+@pytest.mark.parametrize("fn,key", [("add_embedding_length", "llama.embedding_length"),
+                                    ("add_block_count", "llama.block_count"),
+                                    ("add_head_count", "llama.attention.head_count"),
+                                    ("add_feed_forward_length", "llama.feed_forward_length")])
+def test_missing_metadata_key_is_named(tmp_path, fn, key):
+    from jaxserve.config import ConfigError
+
+    path = tmp_path / "m.gguf"
+    _write_tiny(path, "llama", skip_meta=(fn,))
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        gguf_model_config(open_gguf(path))

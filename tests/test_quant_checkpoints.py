@@ -488,6 +488,10 @@ def test_legacy_quant_config_files(tmp_path):
     (dict(quant_method="fp8", activation_scheme="static"), "FP8 without weight_block_size"),
     (dict(quant_method="modelopt", quant_algo="FP8"), "ModelOpt quant_algo 'FP8' is not supported"),
     (dict(quant_method="compressed-tensors", format="pack-quantized"), "format 'pack-quantized' is not supported"),
+    (dict(quant_method="gptq", bits=4, group_size=48), "GPTQ: group_size 48 with 4-bit weights is not supported"),
+    (dict(quant_method="awq", bits=4, group_size=80), "AWQ: group_size 80 with 4-bit weights is not supported"),
+    (dict(quant_method="fp8", weight_block_size=128), "FP8 without weight_block_size"),
+    (dict(quant_method="fp8", weight_block_size=["a", 128]), r"weight_block_size \['a', 128\] must be two integers"),
 ])
 def test_unsupported_quantization_configs_fail_at_config(tmp_path, qc, match):
     from jaxserve.config import ConfigError
@@ -532,3 +536,26 @@ def test_moe_checkpoint_experts_load_packed(tmp_path, fmt, monkeypatch):
     tokens, lps, was_packed = _generate(d, packed_weights=True)
     assert was_packed and tokens == ref_tokens
     assert np.abs(lps - ref_lps).max() <= 1e-4
+
+
+@pytest.mark.parametrize("group", [96, 160])
+def test_gptq_group_that_is_not_a_power_of_two_loads_exactly(tmp_path_factory, monkeypatch, group):
+    """Group sizes the packed layout can hold with a smaller slab (96, 160 rows with 4-bit codes: steps
+    of 32 rows) load exactly, packed and dense (the slab used to be chosen without that rule, and the
+    load failed inside the packer). K = 64 or 128 here: the last group is partial, padded."""
+    from jaxserve.loader.hf_config import model_config_from_dir
+    from jaxserve.loader.safetensors_loader import iter_safetensors_tensors
+    from jaxserve.quant.qweight import QWeight, dequantize
+
+    fmt = f"gptq4_g{group}"
+    monkeypatch.setitem(CONFIGS, fmt, dict(quant_method="gptq", bits=4, group_size=group, sym=False, desc_act=False))
+    d, refs = make_checkpoint(_source(tmp_path_factory), tmp_path_factory.mktemp("g") / fmt, fmt)
+    cfg = model_config_from_dir(d)
+    packed = {(n, i): a for n, i, a in iter_safetensors_tensors(d, cfg, packed=True)}
+    dense = {(n, i): a for n, i, a in iter_safetensors_tensors(d, cfg, packed=False)}
+    for canon, hf in HF_NAMES.items():
+        for layer in range(cfg.num_layers):
+            want = refs[f"model.layers.{layer}.{hf}.weight"].T
+            assert isinstance(packed[(canon, layer)], QWeight)
+            assert np.array_equal(np.asarray(dequantize(packed[(canon, layer)])), want), (canon, layer)
+            assert np.array_equal(dense[(canon, layer)], want), (canon, layer)

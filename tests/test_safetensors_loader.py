@@ -161,7 +161,8 @@ def test_missing_and_unexpected_tensors(tiny_dir):
         sd[k] = np.ascontiguousarray(sd[k].T)
 
     d = _rewrite(src, tiny_dir / "bad_shape", transpose_k)
-    with pytest.raises(ValueError, match=r"layers\.k\[0\] has shape \(32, 64\), expected \(64, 32\)"):
+    with pytest.raises(SafetensorsError, match=r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape "
+                                               r"\[64, 32\], but config\.json implies \[32, 64\]"):
         materialize(cfg, iter_safetensors_tensors(d, cfg), "float32")
 
     # A truncated download is caught from the header, before any tensor is read.
@@ -374,3 +375,74 @@ def test_materialize_sharded_on_two_devices(tiny_dir):
                PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def _header_file(path: Path, header, body: bytes = b"") -> Path:
+    import struct
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+    return path
+
+
+def test_malformed_safetensors_headers_are_named(tmp_path):
+    """A header gguf-style tools or a bad download can leave: not JSON, not an object, an entry without
+    offsets, negative dims, offsets that are not numbers: a SafetensorsError naming the file and tensor."""
+    from jaxserve.loader.safetensors_loader import read_header
+
+    ok = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    body = bytes(16)
+    cases = [
+        (b"{not json", r"bad\.safetensors: the header is not valid JSON"),
+        ([1, 2], r"bad\.safetensors: the header is not a JSON object"),
+        ({"w": {"dtype": "F32", "shape": [2, 2]}}, r"tensor 'w' has a malformed header entry"),
+        ({"w": dict(ok, shape=[-2, -2])}, r"tensor 'w' has a malformed header entry"),
+        ({"w": dict(ok, data_offsets="0-16")}, r"tensor 'w' has a malformed header entry"),
+        ({"w": dict(ok, data_offsets=[16, 0])}, r"tensor 'w' has a malformed header entry"),
+        ({"w": dict(ok, data_offsets=[0, 1 << 40])}, r"tensor 'w' lies outside the file"),
+    ]
+    for header, match in cases:
+        with pytest.raises(SafetensorsError, match=match):
+            read_header(_header_file(tmp_path / "bad.safetensors", header, body))
+    assert read_header(_header_file(tmp_path / "good.safetensors", {"w": ok}, body))[1] == {"w": ok}
+
+
+def test_bad_shard_index_is_named(tiny_dir):
+    import shutil
+
+    from jaxserve.loader.safetensors_loader import checkpoint_files
+
+    src = make_tiny_model("llama", tiny_dir, shards=2)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for name, text, match in [
+        ("idx_json", "{bad", r"model\.safetensors\.index\.json is not a JSON object"),
+        ("idx_list", json.dumps({"weight_map": ["a", "b"]}), r"weight_map must map tensor names to file names"),
+        ("idx_out", json.dumps({"weight_map": dict(index["weight_map"], x="../other/model.safetensors")}),
+         r"names shard\(s\) outside .*: \.\./other/model\.safetensors"),
+        ("idx_missing", json.dumps({"weight_map": dict(index["weight_map"], x="model-00009-of-00009.safetensors")}),
+         r"missing: model-00009-of-00009\.safetensors"),
+    ]:
+        d = tiny_dir / name
+        shutil.copytree(src, d)
+        (d / "model.safetensors.index.json").write_text(text)
+        with pytest.raises(SafetensorsError, match=match):
+            checkpoint_files(d)
+
+
+def test_bad_config_json_is_a_config_error(tiny_dir):
+    from jaxserve.config import ConfigError
+
+    src = make_tiny_model("llama", tiny_dir)
+    good = json.loads((src / "config.json").read_text())
+    for name, text, match in [
+        ("cfg_json", "{oops", r"config\.json is not valid JSON"),
+        ("cfg_list", "[1]", r"config\.json must hold a JSON object, not list"),
+        ("cfg_null", json.dumps(dict(good, num_attention_heads=None)), r"num_attention_heads = None is not an integer"),
+        ("cfg_str", json.dumps(dict(good, hidden_size="sixty-four")), r"hidden_size = 'sixty-four' is not an integer"),
+        ("cfg_zero", json.dumps(dict(good, num_attention_heads=0)), r"num_attention_heads = 0 must be positive"),
+    ]:
+        d = tiny_dir / name
+        d.mkdir()
+        (d / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            model_config_from_dir(d)

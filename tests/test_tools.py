@@ -94,7 +94,7 @@ def _stream(pieces):
 def test_stream_holder():
     # plain text streams as it comes (except a possible start of "<tool_call>")
     text, sent, calls = _stream(["It is ", "sunny <", "b>today</b>"])
-    assert text == "It is sunny <b>today</b>" and not calls and sent[0] == "It is "
+    assert text == "It is sunny <b>today</b>" and not calls and sent[0] == "It is"  # the space waits for what follows
     # text, then a call: the text streams, the markup never does
     text, sent, calls = _stream(["Checking.", " <tool", '_call>{"name": "get_weather", ',
                                  '"arguments": {"city": "Oslo"}}</tool_call>'])
@@ -255,3 +255,210 @@ def test_long_streamed_arguments(size):
     assert call["arguments"] == args and len(during) > 100
     a = text.index(args)
     assert h.calls.ends[a].end == a + len(args)
+
+
+# ----------------------------------------------------------------------------- streamed = unstreamed
+
+def _pretty(args: dict) -> str:
+    return json.dumps(args, indent=2)  # a model's own spacing, which re-serialising would change
+
+
+REPLIES = [(None, t) for t, _, _ in FORMATS] + [
+    (None, 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": ' + _pretty({"city": "Oslo"}) + '}\n</tool_call>'),
+    (None, '<tool_call>{"name": "get_weather", "arguments": {"city":"A"}}</tool_call>\n<tool_call>{"name": '
+           '"get_weather", "arguments": {"city": "B" }}</tool_call>'),
+    ("get_weather", ' ' + _pretty({"city": "Lima"})),
+    ("required", '[\n  {"name": "get_weather", "arguments": ' + _pretty({"city": "Oslo"}) + '},\n  {"name": '
+                 '"get_weather", "arguments": {"city" : "Rome"}}\n]'),
+]
+
+
+def _joined_stream(forced, text, size, reason, max_calls=None):
+    """(content, [(name, arguments)], finish_reason) of a reply as chat.ReplyStream streams it, joined; every
+    chunk's tool_calls carry one entry per call, a call's first entry its id, type and name."""
+    from jaxserve.server.chat import ReplyStream
+
+    rs = ReplyStream(FUNCS, max_calls == 1, forced, None)
+    content, calls, fin = "", {}, None
+    for i in range(0, max(len(text), 1), size):
+        last = i + size >= len(text)
+        piece, _, deltas, f = rs.feed(text[i:i + size], last, reason if last else None)
+        content, fin = content + piece, f or fin
+        chunks = tools.delta_chunks(deltas)  # the `tool_calls` of the chunks chat's stream sends
+        assert sorted(map(id, (d for c in chunks for d in c))) == sorted(map(id, deltas))
+        assert all(len({d["index"] for d in c}) == len(c) for c in chunks), chunks
+        deltas = [d for c in chunks for d in c]
+        for d in deltas:
+            if d["index"] not in calls:
+                assert d["id"].startswith("call_") and d["type"] == "function", d
+                calls[d["index"]] = [d["function"]["name"], ""]
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+            calls[d["index"]][1] += d["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [tuple(calls[k]) for k in sorted(calls)], fin
+
+
+def _unstreamed(forced, text, reason, max_calls=None):
+    """(content, [(name, arguments)], finish_reason) of a finished reply as chat (and Responses) return it."""
+    from types import SimpleNamespace
+
+    from jaxserve.server.chat import ChatRun
+
+    run = ChatRun(None, "m", FUNCS, max_calls == 1, forced, None)
+    _, content, calls, fin = run.reply(SimpleNamespace(full_text=text, finish_reason=reason))
+    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls], fin
+
+
+@pytest.mark.parametrize("forced,text", REPLIES)
+def test_streamed_reply_equals_unstreamed(forced, text):
+    """A reply streamed in pieces (chat.ReplyStream) and the same reply unstreamed agree: content, the calls'
+    names and argument strings (the model's own JSON text, spacing kept), finish_reason — whole, and cut by
+    max_tokens ("length") or by a stop string ("stop") at every character. "tool_calls" only when every
+    call is whole; a cut call keeps the arguments written so far."""
+    for cut in range(len(text), 0, -1):
+        for reason in (["stop"] if cut == len(text) else ["length", "stop"]):
+            want = _unstreamed(forced, text[:cut], reason)
+            for size in (1, 5, 10_000):  # 10_000: the whole reply in one update (two calls begin in it)
+                got = _joined_stream(forced, text[:cut], size, reason)
+                assert (got[0].strip() or None, got[1], got[2]) == \
+                    ((want[0] or "").strip() or None, want[1], want[2]), (text[:cut], size, reason)
+            content, calls, fin = want
+            if fin == "tool_calls":
+                assert calls and all(isinstance(json.loads(a), dict) for _, a in calls)
+            elif calls:  # begun, not whole: the engine's reason, never "tool_calls"
+                assert fin == reason
+    content, calls, fin = _unstreamed(forced, text, "stop")
+    assert fin == "tool_calls" and calls
+    for _, a in calls:  # the arguments as written (a string argument is decoded: JSON text of its own)
+        assert a in text or json.loads(a) == {"city": "Rome"}
+
+
+def test_unstreamed_cut_call():
+    """max_tokens inside a call's arguments: the call as begun, its arguments incomplete, "length" (the
+    reply is not text holding markup, and the call is not presented as whole)."""
+    content, calls, fin = _unstreamed(None, '<tool_call>\n{"name": "get_weather", "arguments": {"city":', "length")
+    assert (content, calls, fin) == (None, [("get_weather", '{"city":')], "length")
+    # a stop string inside the arguments: the same call, "stop" (not "tool_calls")
+    assert _unstreamed(None, '{"name": "get_weather", "parameters": {"city": "Paris"', "stop")[1:] == \
+        ([("get_weather", '{"city": "Paris"')], "stop")
+    # "required" cut inside its second call: both calls, the second incomplete
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": {"ci'
+    assert _unstreamed("required", text, "length")[1:] == \
+        ([("get_weather", '{"city": "Oslo"}'), ("get_weather", '{"ci')], "length")
+
+
+def test_responses_call_status_when_cut():
+    """/v1/responses: a function_call item whose arguments max_output_tokens cut is "incomplete", streamed
+    (the output_item.done event and the final response) or not."""
+    from jaxserve.server import responses
+
+    es = responses._EventStream({"id": "resp_x", "output": []})
+    es.call({"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}})
+    evs, resp = es.finish("length", {})
+    (item,) = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
+    assert item["status"] == resp["output"][0]["status"] == "incomplete" and resp["status"] == "incomplete"
+    # whole arguments before the cut: completed
+    es = responses._EventStream({"id": "resp_x", "output": []})
+    es.call({"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}})
+    assert es.finish("length", {})[1]["output"][0]["status"] == "completed"
+
+
+# ----------------------------------------------------------------------------- through the real server
+
+@pytest.fixture(scope="module")
+def url(server_factory):
+    return server_factory("main").url  # tests/conftest.py: the real SmolLM2 GGUF
+
+
+def _weather_history(city: str) -> list[dict]:
+    """Earlier turns in which the assistant called get_weather (as tests/test_server.py's): with them the
+    real SmolLM2-135M answers with a call of its own."""
+    msgs = []
+    for i, (c, t) in enumerate([("Oslo", "12 C"), ("Rome", "25 C"), ("Lima", "18 C")]):
+        call = {"id": f"call_{i}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+        msgs += [{"role": "user", "content": f"Weather in {c}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": f"call_{i}", "content": t},
+                 {"role": "assistant", "content": f"It is {t} in {c}."}]
+    return msgs + [{"role": "user", "content": f"Weather in {city}?"}]
+
+
+def _post_stream(url: str, body: dict) -> list[dict]:
+    import urllib.request
+
+    from conftest import validate_schema
+
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(dict(body, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        lines = [ln[6:] for ln in r.read().decode().split("\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(ln) for ln in lines[:-1]]
+    for c in chunks:
+        validate_schema(c, "CreateChatCompletionStreamResponse")
+    return chunks
+
+
+def _joined_chunks(chunks: list[dict], n: int) -> dict[int, tuple]:
+    """choice index -> (content, [(name, arguments)], finish_reason) of a stream, checked as OpenAI clients
+    read it: one finish_reason per choice, one tool_calls entry per call in a chunk, a call's first entry
+    with its id, type and name and the later ones only argument pieces."""
+    out = {i: ["", {}, None] for i in range(n)}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            o, d = out[ch["index"]], ch["delta"]
+            o[0] += d.get("content") or ""
+            tcs = d.get("tool_calls") or []
+            assert len({tc["index"] for tc in tcs}) == len(tcs), tcs
+            for tc in tcs:
+                if tc["index"] not in o[1]:
+                    assert tc["id"].startswith("call_") and tc["type"] == "function", tc
+                    o[1][tc["index"]] = [tc["function"]["name"], ""]
+                else:
+                    assert set(tc) == {"index", "function"} and "name" not in tc["function"], tc
+                o[1][tc["index"]][1] += tc["function"].get("arguments") or ""
+            if ch["finish_reason"]:
+                assert o[2] is None, chunk
+                o[2] = ch["finish_reason"]
+    return {i: (c, [tuple(v) for _, v in sorted(calls.items())], f) for i, (c, calls, f) in out.items()}
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.timeout(900)
+def test_server_stream_equals_unstreamed(url):
+    """The real server and model, n > 1, sampled with a seed, tool_choice auto / named / "required", whole
+    and cut by max_tokens or a stop string: a streamed reply's joined content, tool calls (argument strings
+    as the model wrote them) and finish_reason equal the unstreamed reply's; "tool_calls" only for whole
+    calls, "length" for one cut by max_tokens; bodies valid against OpenAI's schemas."""
+    from conftest import post_json, validate_schema
+
+    oslo = [{"role": "user", "content": "What is the weather in Oslo and in Rome?"}]
+    cases = [dict(messages=_weather_history("Paris"), max_tokens=mt) for mt in (20, 40)]
+    cases += [dict(messages=oslo, tool_choice=NAMED, max_tokens=mt) for mt in (9, 40)]
+    cases += [dict(messages=oslo, tool_choice="required", max_tokens=mt) for mt in (14, 60)]
+    cases += [dict(messages=_weather_history("Paris"), max_tokens=40, stop=["}"])]
+    seen = set()
+    for case in cases:
+        body = {"model": "smol", "tools": [WEATHER], "temperature": 1.0, "seed": 5, "n": 3, **case}
+        status, r = post_json(f"{url}/v1/chat/completions", body)
+        assert status == 200, r
+        validate_schema(r, "CreateChatCompletionResponse")
+        streamed = _joined_chunks(_post_stream(url, body), 3)
+        for ch in r["choices"]:
+            msg, fin = ch["message"], ch["finish_reason"]
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+            assert streamed[ch["index"]] == (msg["content"] or "", calls, fin), (case, ch)
+            whole = bool(calls) and all(isinstance(tools._json(a), dict) for _, a in calls)
+            assert (fin == "tool_calls") == (whole and fin not in ("length", "stop")), ch
+            if calls and not whole:
+                assert fin in ("length", "stop") and msg["content"] is None, ch
+            seen.add((case.get("tool_choice", "auto") if isinstance(case.get("tool_choice"), str) else
+                      "named" if "tool_choice" in case else "auto", fin, whole))
+    # the model did make whole calls and calls cut by max_tokens, in each mode
+    for mode in ("auto", "named", "required"):
+        assert (mode, "tool_calls", True) in seen and (mode, "length", False) in seen, seen
+    assert ("auto", "stop", False) in seen, seen  # the stop string "}" inside the arguments

@@ -50,12 +50,26 @@ def shard_paths(path: str | os.PathLike) -> list[Path]:
 def open_gguf(path: str | os.PathLike) -> list:
     """Open a GGUF file, or every shard of a split one in order, as memory-mapped `GGUFReader`s (the
     subclass that reads the tokenizer's long arrays fast: loader/gguf_reader.py)."""
-    from jaxserve.loader.gguf_reader import FastGGUFReader as GGUFReader
-
     paths = shard_paths(path)
     if not paths[0].is_file():
         raise FileNotFoundError(f"GGUF file {paths[0]} does not exist")
-    return [GGUFReader(str(p)) for p in paths]
+    return [_open_one(p) for p in paths]
+
+
+def _open_one(path: Path):
+    """One file's reader; a file gguf cannot parse is a GGUFError naming it (not a numpy error)."""
+    from jaxserve.loader.gguf_reader import FastGGUFReader, GGUFError
+
+    if path.stat().st_size == 0:
+        raise GGUFError(f"GGUF file {path} is empty")
+    try:
+        return FastGGUFReader(str(path))
+    except GGUFError:
+        raise
+    except (ValueError, IndexError, TypeError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        # gguf reads the header with numpy views: a cut-off header or a non-GGUF file fails inside it
+        raise GGUFError(f"{path} cannot be read as a GGUF file ({type(e).__name__}: {e}): not a GGUF file, "
+                        "or its header is truncated or corrupt") from None
 
 
 def _readers(readers) -> list:
@@ -186,9 +200,14 @@ def gguf_model_config(readers) -> ModelConfig:
                           f"(supported: {', '.join(MOE_ARCHS)})")
     if not experts and arch in MOE_ARCHS and arch != "llama":
         raise ConfigError(f"GGUF {arch} file without {arch}.expert_count")
+    for key in ("embedding_length", "block_count", "attention.head_count"):
+        if g(key) is None:
+            raise ConfigError(f"GGUF {arch} file without the metadata key {arch}.{key}")
     names = tensor_names(readers)
     hidden = int(g("embedding_length"))
     heads = int(_scalar(g("attention.head_count"), "head_count"))
+    if heads <= 0:
+        raise ConfigError(f"GGUF {arch}: {arch}.attention.head_count is {heads}")
     kv_heads = int(_scalar(g("attention.head_count_kv", heads), "head_count_kv"))
     head_dim = g("attention.key_length") or (g("rope.dimension_count") if arch == "llama" else None)
     head_dim = int(head_dim or hidden // heads)
@@ -200,6 +219,9 @@ def gguf_model_config(readers) -> ModelConfig:
 
     ffn = g("feed_forward_length")
     ffn = int(_scalar(ffn, "feed_forward_length")) if ffn is not None else int(g("expert_feed_forward_length") or 0)
+    if ffn <= 0:
+        raise ConfigError(f"GGUF {arch} file without a positive {arch}.feed_forward_length"
+                          + (f" or {arch}.expert_feed_forward_length" if experts else ""))
     cfg: dict[str, Any] = dict(
         arch=MOE_ARCHS[arch] if experts else arch,
         vocab_size=int(vocab),
@@ -427,6 +449,7 @@ def iter_gguf_tensors(readers, cfg: ModelConfig, packed: bool = False) -> Iterat
     permute = meta_get(readers, "general.architecture") == "llama"
     specs = weight_specs(cfg)
     table = {**_PER_LAYER, **_MOE_PER_LAYER} if cfg.is_moe else _PER_LAYER
+    _check_tensor_table(tensors, cfg, specs, table)
     split: dict[tuple[str, int], dict[int, Any]] = {}  # per-expert tensors, until a layer's set is complete
     with tqdm(total=len(tensors), desc="loading GGUF", unit="tensor", disable=_progress_disabled()) as bar:
         for t in tensors:
@@ -467,6 +490,36 @@ def iter_gguf_tensors(readers, cfg: ModelConfig, packed: bool = False) -> Iterat
             else:
                 arr = _canonical(t, name, transpose, permute, cfg)
                 yield name, layer, arr.reshape(-1, 1) if name == "layers.shared_expert_gate" else arr
+
+
+def _check_tensor_table(tensors, cfg: ModelConfig, specs, table) -> None:
+    """Before any tensor is read: every tensor's ggml type is one this loader reads, and no weight of
+    the model is missing; both named by their GGUF tensor names (a late tensor of a big file would
+    otherwise fail only after minutes of loading)."""
+    from jaxserve.loader.dequant import TYPES, type_name
+
+    bad = [f"{t.name} ({type_name(int(t.tensor_type))})" for t in tensors
+           if int(t.tensor_type) not in TYPES and t.name not in _IGNORED]
+    if bad:
+        head = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+        raise ValueError(f"GGUF tensor(s) {head}: ggml type not supported by this loader; supported: "
+                         f"{', '.join(v[0] for v in TYPES.values())}")
+    gguf_name = {canon: n for n, (canon, _) in _GLOBAL.items()}
+    gguf_name.update({canon: n for n, (canon, _) in table.items() if canon not in gguf_name})
+    have = set()
+    for t in tensors:
+        if t.name in _GLOBAL:
+            have.add((_GLOBAL[t.name][0], None))
+        elif (m := _LAYER_RE.match(t.name)) is not None:
+            em = _EXPERT_RE.match(m[2]) if cfg.is_moe else None
+            canon = f"layers.experts_{em[1]}" if em else table.get(m[2], (None,))[0]
+            have.add((canon, int(m[1])))
+    missing = [gguf_name.get(name, name) if not spec.stacked else f"blk.{i}.{gguf_name.get(name, name)}"
+               for name, spec in specs.items() for i in (range(spec.shape[0]) if spec.stacked else [None])
+               if (name, i) not in have]
+    if missing:
+        head = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ValueError(f"GGUF file of a {cfg.arch} model is missing tensor(s) {head}")
 
 
 def _canonical_shape(t, name: str, transpose: bool) -> tuple[int, ...]:

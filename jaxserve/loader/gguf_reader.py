@@ -7,20 +7,54 @@ time a process opened it. This subclass reads long arrays from a plain (non-memm
 same mapping with `struct`, which builds the same fields (the same `parts`, `data` and `types`, so
 `ReaderField.contents()` and every caller work unchanged) in well under a second. Short fields, byte-swapped
 files and tensors are the base class's.
+
+Before the base class maps the tensors, each tensor's table entry is checked (a known ggml type, rows of
+whole blocks, data inside the file), so a truncated or corrupt file fails with GGUFError naming the file
+and the tensor instead of a numpy reshape error from inside gguf.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 _SCALARS = {t: np.dtype(d) for t, d in GGUFReader.gguf_scalar_to_np.items()}
 _LONG = 64  # arrays shorter than this go through the base class (nothing to win)
 
 
+class GGUFError(ValueError):
+    """A GGUF file that cannot be read: truncated, corrupt, or not a GGUF file."""
+
+
 class FastGGUFReader(GGUFReader):
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        where = getattr(self.data, "filename", None) or "GGUF file"
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            type_id = int(raw_dtype[0])
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise GGUFError(f"{where}: tensor {name!r} has ggml type id {type_id}, which no GGUF type has "
+                                "(a corrupt file, or a type newer than this gguf package)") from None
+            ne = [int(d) for d in dims]
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            if any(d < 0 for d in ne) or (ne and ne[0] % block):
+                raise GGUFError(f"{where}: tensor {name!r} ({qtype.name}) has ggml shape {ne}: rows are not whole "
+                                f"{qtype.name} blocks of {block} values (a corrupt tensor table)")
+            start = start_offs + int(offset_tensor[0])
+            end = start + math.prod(ne) // block * type_size
+            if end > size:
+                raise GGUFError(f"{where}: tensor {name!r} ({qtype.name} {ne}) lies at bytes {start}..{end}, past "
+                                f"the end of the file ({size} bytes): the file is truncated (an interrupted "
+                                "download?)")
+        super()._build_tensors(start_offs, fields)
+
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if int(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)

@@ -212,6 +212,17 @@ def _text_config(config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return tmtype, text
 
 
+def _num(d: dict[str, Any], key: str, kind=int):
+    """A required numeric field of the config (ConfigError naming it when absent or not a number)."""
+    v = d.get(key)
+    try:
+        if v is None or isinstance(v, (bool, str, list, dict)):
+            raise TypeError
+        return kind(v)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"config.json: {key} = {v!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
 def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = None) -> ModelConfig:
     """ModelConfig of a Hugging Face `config.json` dict.
 
@@ -220,6 +231,8 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
     """
     from jaxserve.loader.hf_quant import parse_quant_config
 
+    if not isinstance(config_dict, dict):
+        raise ConfigError(f"config.json must hold a JSON object, not {type(config_dict).__name__}")
     parse_quant_config(config_dict.get("quantization_config"))  # an unreadable quantization fails here
     mtype, raw = _text_config(config_dict)
     d = dict(_DEFAULTS[mtype])
@@ -233,11 +246,13 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
     if mtype in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe") and d.get("attention_bias"):
         raise ConfigError(f"{mtype}: attention_bias (with an o_proj bias) is not supported")
 
-    hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-    kv_heads = int(d.get("num_key_value_heads") or heads)
-    head_dim = int(d.get("head_dim") or hidden // heads)
-    n = int(d["num_hidden_layers"])
-    max_pos = int(d["max_position_embeddings"])
+    hidden, heads = _num(d, "hidden_size"), _num(d, "num_attention_heads")
+    if heads <= 0:
+        raise ConfigError(f"{mtype}: num_attention_heads = {heads} must be positive")
+    kv_heads = _num(d, "num_key_value_heads") if d.get("num_key_value_heads") else heads
+    head_dim = _num(d, "head_dim") if d.get("head_dim") else hidden // heads
+    n = _num(d, "num_hidden_layers")
+    max_pos = _num(d, "max_position_embeddings")
     theta, local_theta, scaling = _rope(d, mtype, max_pos)
     if yarn_scaling_factor is not None:
         if yarn_scaling_factor <= 0:
@@ -257,14 +272,14 @@ def model_config_from_hf(config_dict: dict, yarn_scaling_factor: float | None = 
 
     return ModelConfig(
         arch=arch,
-        vocab_size=int(d["vocab_size"]),
+        vocab_size=_num(d, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(d["intermediate_size"]),
+        intermediate_size=_num(d, "intermediate_size"),
         num_layers=n,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(d["rms_norm_eps"]),
+        rms_norm_eps=_num(d, "rms_norm_eps", float),
         rope_theta=theta,
         rope_local_theta=local_theta,
         rope_scaling=scaling,
@@ -318,14 +333,24 @@ def model_config_from_dir(model_dir: str | Path, yarn_scaling_factor: float | No
     path = model_dir / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir} has no config.json")
-    cfg = model_config_from_hf(json.loads(path.read_text()), yarn_scaling_factor)
+    cfg = model_config_from_hf(_read_json(path), yarn_scaling_factor)
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        extra = _eos_ids(json.loads(gen.read_text()).get("eos_token_id"))
+        extra = _eos_ids(_read_json(gen).get("eos_token_id"))
         eos = cfg.eos_token_ids + tuple(t for t in extra if t not in cfg.eos_token_ids)
         if eos != cfg.eos_token_ids:
             cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     return cfg
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(out).__name__}")
+    return out
 
 
 _HF_CLASSES = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),

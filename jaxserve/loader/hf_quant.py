@@ -111,11 +111,17 @@ def _int(qc: dict, *keys, default=None) -> int:
     return default
 
 
-def _group(g: int, what: str) -> int:
+def _group(g: int, what: str, bits: int) -> int:
     if g in (-1, 0):
         return 0
     if g < 16 or g % 16:
         raise ConfigError(f"{what}: group_size {g} is not supported (a multiple of 16, or -1)")
+    from jaxserve.quant.qweight import choose_slab
+
+    try:
+        choose_slab(g, (bits,), g)
+    except ValueError as e:  # the packed layout's groups and code steps divide one another
+        raise ConfigError(f"{what}: group_size {g} with {bits}-bit weights is not supported: {e}") from None
     return g
 
 
@@ -134,7 +140,7 @@ def parse_quant_config(qc: dict | None) -> QuantScheme | None:
         fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ConfigError(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' v1 or 'gptq_v2')")
-        return QuantScheme("gptq", "gptq", bits, _group(_int(qc, "group_size", default=128), "GPTQ"),
+        return QuantScheme("gptq", "gptq", bits, _group(_int(qc, "group_size", default=128), "GPTQ", bits),
                            zero_plus_one=fmt == "gptq", desc_act=bool(qc.get("desc_act")))
     if method == "awq":
         bits = _int(qc, "bits", "w_bit", default=4)
@@ -143,15 +149,17 @@ def parse_quant_config(qc: dict | None) -> QuantScheme | None:
             raise ConfigError(f"AWQ {bits}-bit version {version!r} is not supported (4-bit 'gemm' only)")
         if qc.get("zero_point") is False:
             raise ConfigError("AWQ without zero points (zero_point: false) is not supported")
-        return QuantScheme("awq", "awq", 4, _group(_int(qc, "group_size", "q_group_size", default=128), "AWQ"))
+        return QuantScheme("awq", "awq", 4, _group(_int(qc, "group_size", "q_group_size", default=128), "AWQ", 4))
     if method == "fp8":
         block = qc.get("weight_block_size")
-        if not block or len(block) != 2:
+        if not isinstance(block, (list, tuple)) or len(block) != 2:
             raise ConfigError("FP8 without weight_block_size (per-tensor or per-channel scales) is not "
                               "supported; block-wise FP8 (weight_block_size [128, 128]) is")
         if str(qc.get("fmt") or "e4m3").lower() != "e4m3":
             raise ConfigError(f"FP8 fmt {qc.get('fmt')!r} is not supported (e4m3)")
-        bn, bk = (int(b) for b in block)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in block):
+            raise ConfigError(f"FP8 weight_block_size {block!r} must be two integers [block_n, block_k]")
+        bn, bk = block
         if bn < 1 or bk < 16 or bk % 16:
             raise ConfigError(f"FP8 weight_block_size {block} is not supported (the K block a multiple of 16)")
         return QuantScheme("fp8", "fp8", 8, bk, block_n=bn)
@@ -299,8 +307,11 @@ def _int_weight(scheme: QuantScheme, p: _Parts, K: int, N: int) -> QWeight:
         zeros = _unpack_cols(p.get("qzeros", ("I32", "U32"), (G, N // 8)), 4, AWQ_ORDER)
     scales = p.get("scales", _FLOATS, (G, N))
     p.finite("scales", scales)
-    meta = make_meta(f"{scheme.method}{b}_g{gs or 'k'}", K, N, bits=(b,), zp=0, group=gs, super_group=0,
-                     offset="zero")
+    try:
+        meta = make_meta(f"{scheme.method}{b}_g{gs or 'k'}", K, N, bits=(b,), zp=0, group=gs, super_group=0,
+                         offset="zero")
+    except ValueError as e:  # a group the packed layout cannot hold (e.g. 48 rows with 4-bit codes)
+        raise p.err("qweight", f"{scheme.method} group_size {gs} with {b}-bit codes cannot be repacked ({e})") from None
     return build(meta, codes, scale=np.asarray(scales), zero=zeros)
 
 

@@ -99,8 +99,16 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (ValueError, AttributeError) as e:  # (AttributeError: JSON that is not an object)
+            raise SafetensorsError(f"{index} is not a JSON object: {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise SafetensorsError(f"{index}: weight_map must map tensor names to file names")
         names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).is_absolute() or ".." in Path(n).parts]
+        if outside:
+            raise SafetensorsError(f"{index} names shard(s) outside {model_dir}: {', '.join(outside)}")
         missing = [n for n in names if not (model_dir / n).is_file()]
         if missing:
             raise SafetensorsError(f"{model_dir}: shard(s) listed in {index.name} are missing: {', '.join(missing)}")
@@ -129,14 +137,33 @@ def read_header(path: Path) -> tuple[int, dict]:
         n = int.from_bytes(raw, "little")
         if n <= 0 or 8 + n > size:
             raise SafetensorsError(f"{path}: bad header length {n}")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise SafetensorsError(f"{path}: the header is not valid JSON ({e}): not a safetensors file, "
+                                   "or a corrupt one") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: the header is not a JSON object")
     header.pop("__metadata__", None)
     data_start = 8 + n
     for name, info in header.items():
+        _check_entry(path, name, info)
         lo, hi = info["data_offsets"]
-        if not 0 <= lo <= hi or data_start + hi > size:
+        if data_start + hi > size:
             raise SafetensorsError(f"{path}: tensor {name!r} lies outside the file (truncated download?)")
     return data_start, header
+
+
+def _check_entry(path: Path, name: str, info) -> None:
+    """A header entry has a dtype string, a shape of non-negative ints and 0 <= begin <= end offsets."""
+    def ints(v, n=None):
+        return (isinstance(v, list) and (n is None or len(v) == n)
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+
+    if not (isinstance(info, dict) and isinstance(info.get("dtype"), str) and ints(info.get("shape"))
+            and ints(info.get("data_offsets"), 2) and info["data_offsets"][0] <= info["data_offsets"][1]):
+        raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {str(info)[:200]} "
+                               "(expected dtype, shape and data_offsets [begin, end])")
 
 
 def _map_tensor(path: Path, data_start: int, name: str, info: dict, dtypes: dict = _DTYPES) -> np.ndarray:
@@ -271,6 +298,7 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
                     bar.update(nbytes)
                     continue
                 canon, layer, kind = target
+                _check_shape(hf_name, info, canon, kind, cfg)
                 arr = _map_tensor(path, data_start, hf_name, info)
                 if kind.startswith("expert:"):
                     if arr.ndim != 2:
@@ -293,6 +321,18 @@ def iter_safetensors_tensors(model_dir: str | Path, cfg: ModelConfig, files: lis
     for (canon, layer), parts in experts.items():
         missing = sorted(set(range(cfg.num_experts)) - set(parts))
         raise SafetensorsError(f"{canon}[{layer}]: experts {missing} are missing from the checkpoint")
+
+
+def _check_shape(hf_name: str, info: dict, canon: str, kind: str, cfg: ModelConfig) -> None:
+    """A dense tensor's file shape against the one config.json implies (torch layout: linears [out, in])."""
+    spec = weight_specs(cfg)[canon]
+    want = spec.shape[2:] if kind.startswith("expert:") else spec.shape[1:] if spec.stacked else spec.shape
+    if kind == "linear" or kind.startswith("expert:"):
+        want = want[::-1]
+    got = tuple(int(x) for x in info["shape"])
+    if got != tuple(want):
+        raise SafetensorsError(f"tensor {hf_name!r} has shape {list(got)}, but config.json implies {list(want)} "
+                               f"for it ({canon} of this {cfg.arch} model)")
 
 
 def _add_expert(experts: dict, cfg: ModelConfig, canon: str, layer: int, kind: str, arr):

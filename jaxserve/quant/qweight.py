@@ -189,13 +189,15 @@ def choose_slab(K: int, bits: tuple[int, ...], group: int, slab: int | None = No
         return int(slab)
     best = None
     for s in (64, 32, 16):
-        if group and group % s:
-            continue
+        step = s * 8 // min(bits)
+        if group and (group % s or (group % step and step % group)):
+            continue  # (make_meta's rule: the group and the step divide one another)
         kp = padded_k(K, bits, group, s)
         if best is None or kp < best[0]:
             best = (kp, s)
     if best is None:
-        raise ValueError(f"group size {group} is not a multiple of 16")
+        raise ValueError(f"group size {group} is not a multiple of 16 that {min(bits)}-bit codes' steps of "
+                         f"{', '.join(str(s * 8 // min(bits)) for s in (16, 32, 64))} rows divide or are divided by")
     return best[1]
 
 

@@ -30,14 +30,13 @@ class ChatRun:
     def reply(self, c) -> tuple[str | None, str | None, list[dict], str | None]:
         """(reasoning, content, tool calls, finish_reason) of a finished choice."""
         thought, text = reasoning.split(self.parser, c.full_text) if self.parser else (None, c.full_text)
-        if self.forced:
-            calls = tools.parse_forced(text or "", self.forced)
-            content = None if calls else text  # a "required" reply cut before its first call ended
-        else:
-            content, calls = tools.parse(text, self.funcs) if self.funcs and text is not None else (text, [])
-        calls = calls[:1] if self.one_call else calls
-        # a call cut off by max_tokens says so ("length"): its arguments are incomplete JSON
-        return thought, content, calls, "tool_calls" if calls and c.finish_reason != "length" else c.finish_reason
+        if not self.funcs or (text is None and not self.forced):
+            return thought, text, [], c.finish_reason
+        # what the stream sends, joined: the same calls (arguments as the model wrote them) and finish_reason
+        # ("tool_calls" only for whole calls: one cut off by max_tokens says "length")
+        content, calls, finish = tools.reply_calls(text or "", self.funcs, self.forced, 1 if self.one_call else None,
+                                                   c.finish_reason)
+        return thought, content, calls, finish
 
     def streamer(self):
         return ReplyStream(self.funcs, self.one_call, self.forced, self.parser)
@@ -67,8 +66,8 @@ class ReplyStream:
                 rest, more = self.holder.finish(self.funcs)
                 text, calls = (text or "") + rest, calls + more
         fin = finish_reason if finished else None
-        if fin is not None and self.holder and self.holder.calls.made_calls and fin != "length":
-            fin = "tool_calls"  # a call cut off by max_tokens says "length": its arguments are incomplete
+        if fin is not None and self.holder:
+            fin = self.holder.calls.finish_reason(fin)  # "tool_calls" for whole calls (cut: "length")
         return text, thought, calls, fin
 
 
@@ -158,8 +157,8 @@ async def _stream(request, state, run: ChatRun, include_usage: bool) -> web.Stre
                 finished.add(idx)
             if text or thought or lp or (fin and not calls):
                 chunks.append(chunk([choice(idx, delta(text, thought), lp, None if calls else fin)]))
-            if calls:
-                chunks.append(chunk([choice(idx, {"tool_calls": calls})]))
+            if calls:  # one entry per call in a chunk: a call's id and name, then its argument pieces
+                chunks += [chunk([choice(idx, {"tool_calls": part})]) for part in tools.delta_chunks(calls)]
                 if fin:
                     chunks.append(chunk([choice(idx, {}, None, fin)]))
         await w.send(chunks)

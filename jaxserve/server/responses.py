@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxserve.server import tools
 from jaxserve.server.chat import ChatRun, start_chat
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import chat_logprobs
@@ -284,6 +285,11 @@ def _call_item(iid: str, call_id: str, name: str, arguments: str, status: str) -
             "status": status}
 
 
+def _call_status(arguments: str, finish_reason: str | None) -> str:
+    """A function_call item's status: "incomplete" when max_output_tokens cut its arguments short."""
+    return "incomplete" if finish_reason == "length" and not tools.whole_arguments(arguments) else "completed"
+
+
 def _responses_logprobs(entries: list[dict]) -> list[dict]:
     """Chat's logprob entries in the Responses shape (no bytes)."""
     return [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
@@ -335,8 +341,8 @@ async def create_response(request: web.Request, state, body) -> web.StreamRespon
     output = [_reasoning_item(_id("rs"), thought, status)] if thought else []
     if content is not None or not calls:
         output.append(_message_item(_id("msg"), content or "", status, lps))
-    out_calls = [_call_item(_id("fc"), k["id"], k["function"]["name"], k["function"]["arguments"], "completed")
-                 for k in calls]
+    out_calls = [_call_item(_id("fc"), k["id"], k["function"]["name"], k["function"]["arguments"],
+                            _call_status(k["function"]["arguments"], finish)) for k in calls]
     resp = _finish(dict(resp, output=output + out_calls), finish, _usage(gen))
     _remember(state, req, resp, convo, content, out_calls)
     return web.json_response(resp)
@@ -466,7 +472,7 @@ class _EventStream:
         if not self.output:  # nothing was generated: an empty message, as a non-streamed reply has
             evs += self._open("message", _message_item(_id("msg"), "", "in_progress", [])) + self._close(status)
         for c in self.calls.values():
-            item = dict(c["item"], status="completed")
+            item = dict(c["item"], status=_call_status(c["item"]["arguments"], finish_reason))
             self.output[c["index"]] = item
             evs += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=c["index"],
                                arguments=item["arguments"], name=item["name"]),

@@ -183,6 +183,11 @@ def _json(s: str) -> Any:
         return None
 
 
+def whole_arguments(arguments: str) -> bool:
+    """Whether a call's arguments are whole: a JSON object (not cut short by max_tokens or a stop string)."""
+    return isinstance(_json(arguments), dict)
+
+
 def parse(text: str, funcs: list[dict]) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a reply. No valid call: (text, [])."""
     names = {f["name"] for f in funcs}
@@ -230,6 +235,7 @@ class _CallStream:
     def __init__(self, forced: str | None, max_calls: int | None):
         self.forced, self.max_calls = forced, max_calls
         self.sent: list[int] = []  # characters of each begun call's arguments already sent
+        self.args: list[str] = []  # each call's arguments as sent so far (the pieces joined)
         self.ends: dict[int, _ValueEnd] = {}  # the reply's JSON values, scanned as far as it has grown
 
     def _scan(self, text: str) -> list[tuple]:
@@ -247,6 +253,7 @@ class _CallStream:
                     break
                 out.append(dict(_new_call(name, ""), index=k))
                 self.sent.append(0)
+                self.args.append("")
             piece = self._next_piece(k, text, args)
             if piece:
                 out.append({"index": k, "function": {"arguments": piece}})
@@ -255,6 +262,7 @@ class _CallStream:
     def _next_piece(self, k: int, text: str, args: tuple) -> str:
         raw = text[args[0]:args[1]]
         piece, self.sent[k] = raw[self.sent[k]:], len(raw)
+        self.args[k] += piece
         return piece
 
     def finish(self, text: str, funcs: list[dict]) -> tuple[str | None, list[dict]]:
@@ -267,6 +275,7 @@ class _CallStream:
                 content, calls = parse(text, funcs)
             calls = calls[:self.max_calls]
             self.sent = [0] * len(calls)
+            self.args = [c["function"]["arguments"] for c in calls]
             return (content if not calls else None), [dict(c, index=k) for k, c in enumerate(calls)]
         names, out = {f["name"] for f in funcs}, []
         for k, (start, name, args, end) in enumerate(self._scan(text)):
@@ -280,11 +289,20 @@ class _CallStream:
                 break
             out.append(dict(call, index=k))
             self.sent.append(0)
+            self.args.append(call["function"]["arguments"])
         return None, out
 
     @property
     def made_calls(self) -> bool:
         return bool(self.sent)
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """A finished reply's finish_reason: "tool_calls" when it made calls, ended on its own ("stop") and
+        every call is whole (its arguments a JSON object); else the engine's ("length": cut by max_tokens,
+        the last call's arguments incomplete; "stop" too when a stop string or EOS broke a call's JSON)."""
+        if self.sent and engine_reason == "stop" and all(map(whole_arguments, self.args)):
+            return "tool_calls"
+        return engine_reason
 
 
 def _skip_ws(s: str, i: int, chars: str = " \t\r\n") -> int:
@@ -422,6 +440,52 @@ def _scan_calls(text: str, ends: dict | None = None) -> list[tuple]:
         i = out[-1][3]
 
 
+def join_deltas(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas joined into one entry per call index: a call's first delta (id, type, name) with
+    every argument piece after it."""
+    out: dict[int, dict] = {}
+    for d in deltas:
+        k = d["index"]
+        if k not in out:
+            out[k] = dict(d, function=dict(d["function"]))
+        else:
+            f = out[k]["function"]
+            f["arguments"] = f.get("arguments", "") + d["function"].get("arguments", "")
+    return [out[k] for k in sorted(out)]
+
+
+def delta_chunks(deltas: list[dict]) -> list[list[dict]]:
+    """One update's tool-call deltas as the `tool_calls` of successive chunks, as OpenAI streams them: a
+    chunk holds at most one entry per call, so a call's first delta (id, type, name, `arguments: ""`) comes
+    in a chunk of its own before its argument pieces."""
+    rounds: list[list[dict]] = []
+    seen: dict[int, int] = {}  # call index -> the round of its last entry
+    for d in deltas:
+        k = d["index"]
+        r = seen.get(k, -1) + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(d)
+        seen[k] = r
+    return rounds
+
+
+def reply_calls(text: str, funcs: list[dict], forced: str | None, max_calls: int | None,
+                engine_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+    """(content, tool calls, finish_reason) of a finished reply, unstreamed: exactly what its stream sends
+    (the same holder reads the whole text at once), so a streamed call's joined argument pieces equal the
+    unstreamed call's arguments (the model's own JSON text) and both say the same finish_reason."""
+    holder = ForcedCallHolder(forced, max_calls) if forced else StreamHolder(max_calls)
+    content = holder.feed(text)
+    deltas = holder.call_deltas(funcs)
+    rest, more = holder.finish(funcs)
+    calls = [{"id": d["id"], "type": d["type"], "function": d["function"]} for d in join_deltas(deltas + more)]
+    content += rest
+    if calls:
+        return content.strip() or None, calls, holder.calls.finish_reason(engine_reason)
+    return content, [], engine_reason
+
+
 class ForcedCallHolder:
     """StreamHolder's interface for a forced call: nothing is streamed as content, the call(s) as they
     are generated."""
@@ -466,10 +530,15 @@ class StreamHolder:
         i = self.text.find(HERMES_OPEN, self.sent)
         if i >= 0:
             self.holding = True
-            out, self.sent = self.text[self.sent:i], i
+            out = self.text[self.sent:i].rstrip()  # the whitespace before the call waits for finish
+            self.sent += len(out)
             return out
-        # keep back a suffix that could be the beginning of "<tool_call>"
-        end = max(self.sent, _before_partial(self.text, HERMES_OPEN))
+        # keep back a suffix that could be the beginning of "<tool_call>", and the whitespace before it
+        # (a call's content ends without it, as the unstreamed reply's)
+        end = _before_partial(self.text, HERMES_OPEN)
+        while end > self.sent and self.text[end - 1].isspace():
+            end -= 1
+        end = max(self.sent, end)
         out, self.sent = self.text[self.sent:end], end
         return out
 
@@ -483,7 +552,7 @@ class StreamHolder:
             _, deltas = self.calls.finish(self.text, funcs)
             if self.calls.made_calls:
                 i = self.text.find(HERMES_OPEN)
-                rest = self.text[self.sent:i] if i >= self.sent else ""
+                rest = self.text[self.sent:i].rstrip() if i >= self.sent else ""
                 self.sent = len(self.text)
                 return rest, deltas
         rest, self.sent = self.text[self.sent:], len(self.text)
