@@ -1,0 +1,18 @@
+#!/bin/bash
+# Where a small model's decode dispatch loses time on the GPU (session 26): XLA re-records a CUDA graph
+# (command buffer) whenever a buffer it uses moved since its last run. Prints, for bs1 decode of the
+# model given as throughput.py arguments ($@, e.g. --config qwen3-30b-a3b --num-layers 24):
+#   1. tok/s at 8 and 32 decode steps per dispatch, async scheduling on and off;
+#   2. XLA's own log of command-buffer updates (count, mean us, commands) during one generate.
+# From the repo root on the device machine (bench/gpu_suite.sh installs the wheels).
+set -u
+export PYTHONPATH=$PWD
+T="python3 bench/throughput.py --random-weights --runs 3 --workloads 1x128x256 $*"
+echo "--- K=8,32 x async on,off"
+timeout 200 $T --decode-steps 8,32 --async-scheduling on,off 2>&1 | grep "^| [0-9]"
+echo "--- command-buffer updates (XLA VLOG 3, one run after the warm-up)"
+TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 200 $T --runs 1 2>&1 \
+  | grep -o "Updated command buffer in [0-9]* μs; num_commands=[0-9]*\|Initialized command buffer on device #[0-9] in [0-9]* μs" \
+  | awk '{ if ($1 == "Updated") { n++; s += $5; split($7, a, "="); c = a[2] } else { i++; si += $7 } }
+         END { printf "updates %d, mean %.0f us, last num_commands %s; initializations %d, mean %.0f us\n",
+               n, n ? s / n : 0, c, i, i ? si / i : 0 }'
