@@ -145,7 +145,7 @@ def run_device(runner, seqs, ctx, steps, dispatches):
     seqs = _as_list(seqs)
     for s in seqs:
         s.output_token_ids = []
-    key, inp, _ = runner.prepare(_sched(seqs, ctx, steps))
+    key, inp, *_ = runner.prepare(_sched(seqs, ctx, steps))
     exe = runner.compile(key)
     inp = jax.device_put(inp)
     jax.block_until_ready(inp)
@@ -208,6 +208,8 @@ def main(argv=None):
                     help="print a device kernel table of this many device-only dispatches per context")
     ap.add_argument("--json", default=None, help="append result rows to this file (JSON lines)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="the preset with only its first N layers (a model too big for the card)")
     args = ap.parse_args(argv)
 
     from jaxserve.loader.materialize import random_weights
@@ -218,6 +220,11 @@ def main(argv=None):
         pallas_dp4a.PER_SM = args.dp4a_per_sm
         print(f"# dp4a programs per SM: {pallas_dp4a.PER_SM}", flush=True)
     cfg = model_config(args.config)
+    if args.num_layers is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, num_layers=args.num_layers,
+                                  layer_types=cfg.layer_types[:args.num_layers] if cfg.layer_types else None)
     contexts = [int(c) for c in args.contexts.split(",")]
     dev = jax.devices()[0]
     print(f"# jax {jax.__version__} on {dev.device_kind} ({dev.platform}); config {args.config}; "
@@ -388,7 +395,7 @@ def main(argv=None):
             if args.profile:
                 from bench.profiling import kernel_table, print_table
 
-                key, inp, _ = runner.prepare(_sched(seq, ctx, args.steps))
+                key, inp, *_ = runner.prepare(_sched(seq, ctx, args.steps))
                 exe, inp = runner.compile(key), jax.device_put(inp)
 
                 def call():

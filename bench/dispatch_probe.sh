@@ -10,9 +10,9 @@ export PYTHONPATH=$PWD
 T="python3 bench/throughput.py --random-weights --runs 3 --workloads 1x128x256 $*"
 echo "--- K=8,32 x async on,off"
 timeout 200 $T --decode-steps 8,32 --async-scheduling on,off 2>&1 | grep "^| [0-9]"
-echo "--- command-buffer updates (XLA VLOG 3, one run after the warm-up)"
-TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 200 $T --runs 1 2>&1 \
-  | grep -o "Updated command buffer in [0-9]* μs; num_commands=[0-9]*\|Initialized command buffer on device #[0-9] in [0-9]* μs" \
-  | awk '{ if ($1 == "Updated") { n++; s += $5; split($7, a, "="); c = a[2] } else { i++; si += $7 } }
-         END { printf "updates %d, mean %.0f us, last num_commands %s; initializations %d, mean %.0f us\n",
-               n, n ? s / n : 0, c, i, i ? si / i : 0 }'
+echo "--- command-buffer updates (XLA VLOG 3: warm-up + one run): count x (commands, changed allocations), then times"
+TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 200 $T --runs 1 > /tmp/probe.log 2>&1
+grep -o "num_commands=[0-9]*; updated_allocs=[0-9]*" /tmp/probe.log | sort | uniq -c | sort -rn | head -8
+grep -o "Updated command buffer in [0-9]* " /tmp/probe.log | awk '{ n++; s += $5; if ($5 > m) m = $5 }
+  END { printf "updates %d, mean %.0f us, max %d us\n", n, n ? s / n : 0, m }'
+grep -c "Execute command buffer on device" /tmp/probe.log | sed 's/^/command-buffer executions: /'

@@ -105,7 +105,7 @@ def main():
         if dtype == jnp.float32:
             pass
         seq = make_seq(cfg, args.ctx, n_blocks, 0)
-        key, inp, _ = runner.prepare(SchedulerOutput([ScheduledSeq(seq, args.ctx, 1)], decode_steps=K))
+        key, inp, *_ = runner.prepare(SchedulerOutput([ScheduledSeq(seq, args.ctx, 1)], decode_steps=K))
         exe = runner.compile(key)
         hlo_report(name, exe.as_text(), args.hlo_dir)
         inp = jax.device_put(inp)
