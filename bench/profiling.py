@@ -47,7 +47,7 @@ def kernel_table(fn, calls: int = 4):
     return lines
 
 
-def print_table(lines, per: int, label: str = "", top: int = 25) -> None:
+def print_table(lines, per: int, label: str = "", top: int = 40) -> None:
     """per: what one unit is (e.g. tokens generated in the traced calls) for the per-unit columns."""
     for kind, agg in lines.items():
         total = sum(v[1] for v in agg.values())
