@@ -43,6 +43,13 @@ def _case(rng, lens, *, H, KV, D, dtype, BS=4, L=2, parts=0, cache_dtype=None):
             jnp.asarray(slots, jnp.int32), jnp.asarray(tables), jnp.arange(S, dtype=jnp.int32))
 
 
+def _norms(rng, D):
+    """Qwen3 / Gemma 3 per-head q/k RMSNorm weights (far from 1, so that a skipped or misplaced norm
+    shows)."""
+    return (jnp.asarray(rng.uniform(0.2, 3.0, D), jnp.float32), jnp.asarray(rng.uniform(0.2, 3.0, D), jnp.float32),
+            1e-6)
+
+
 def _check(impl, args, *, tol, **kw):
     want = reference.rope_decode_attention(*args, **kw)
     fn = rope_attention.get(impl)
@@ -60,22 +67,25 @@ def _check(impl, args, *, tol, **kw):
 
 @pytest.mark.parametrize("impl", rope_attention.IMPLEMENTATIONS)
 @pytest.mark.parametrize("H,KV,D", [(8, 2, 16), (6, 2, 32), (2, 2, 64)])
-@pytest.mark.parametrize("window,softcap", [(0, None), (6, 30.0)])
-def test_matches_oracle(impl, H, KV, D, window, softcap):
+@pytest.mark.parametrize("window,softcap,qk_norm", [(0, None, False), (6, 30.0, False), (6, None, True)])
+def test_matches_oracle(impl, H, KV, D, window, softcap, qk_norm):
     rng = np.random.default_rng(H * D + window)
     # contexts from the first token to several key tiles (block_k 16, 3 splits)
     args = _case(rng, [1, 2, 5, 16, 17, 40, 97], H=H, KV=KV, D=D, dtype="float32")
+    norm = {"qk_norm": _norms(rng, D)} if qk_norm else {}
     _check(impl, args, tol=2e-5 if ON_CPU else 3e-3, num_heads=H, num_kv_heads=KV, head_dim=D,
-           scale=D ** -0.5, window=window, softcap=softcap)
+           scale=D ** -0.5, window=window, softcap=softcap, **norm)
 
 
 @pytest.mark.parametrize("impl", rope_attention.IMPLEMENTATIONS)
-@pytest.mark.parametrize("parts", [0, 3])
-def test_bf16_and_split_sums(impl, parts):
-    """bf16 caches, q/k/v given whole or as a SplitSum of f32 partials (the int8 matmul's output)."""
+@pytest.mark.parametrize("parts,qk_norm", [(0, False), (3, False), (3, True)])
+def test_bf16_and_split_sums(impl, parts, qk_norm):
+    """bf16 caches, q/k/v given whole or as a SplitSum of f32 partials (the int8 matmul's output),
+    with and without q/k norms (normed heads rounded to bf16 before RoPE, as the model does)."""
     rng = np.random.default_rng(parts)
     args = _case(rng, [3, 33, 64, 70], H=8, KV=2, D=32, dtype="bfloat16", parts=parts)
-    _check(impl, args, tol=3e-2, num_heads=8, num_kv_heads=2, head_dim=32, scale=32 ** -0.5)
+    norm = {"qk_norm": _norms(rng, 32)} if qk_norm else {}
+    _check(impl, args, tol=3e-2, num_heads=8, num_kv_heads=2, head_dim=32, scale=32 ** -0.5, **norm)
 
 
 @pytest.mark.parametrize("impl", rope_attention.IMPLEMENTATIONS)
@@ -87,18 +97,21 @@ def test_fp8_cache(impl):
 
 
 @pytest.mark.parametrize("impl", rope_attention.IMPLEMENTATIONS)
-def test_head_size_not_a_power_of_two(impl):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_head_size_not_a_power_of_two(impl, qk_norm):
     """Such heads go through rope_kv + the decode kernel (their padding): the same function."""
     rng = np.random.default_rng(7)
     args = _case(rng, [1, 9, 30], H=4, KV=2, D=24, dtype="float32")
+    norm = {"qk_norm": _norms(rng, 24)} if qk_norm else {}
     _check(impl, args, tol=2e-5 if ON_CPU else 3e-3, num_heads=4, num_kv_heads=2, head_dim=24,
-           scale=24 ** -0.5)
+           scale=24 ** -0.5, **norm)
 
 
-def test_engine_option_generates_the_same_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_option_generates_the_same_tokens(tmp_path, monkeypatch, family):
     """EngineConfig.fused_decode_attention through the whole engine (the decode loop; Pallas attention
     and RoPE kernels interpreted on CPU): the same greedy tokens and logprobs as the two kernels it
-    replaces, and the reference attention's."""
+    replaces, and the reference attention's (Qwen3: its q/k norms inside both fused kernels)."""
     from hf_tiny import make_tiny_model
     from tiny_tokenizer import add_byte_tokenizer
 
@@ -110,7 +123,7 @@ def test_engine_option_generates_the_same_tokens(tmp_path, monkeypatch):
     calls = []
     real = pallas_triton.rope_decode_attention
     monkeypatch.setattr(pallas_triton, "rope_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    d = add_byte_tokenizer(make_tiny_model(family, tmp_path))
     prompts = [[5 + i for i in range(13)], [200, 100, 50]]
     p = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)
     res = []

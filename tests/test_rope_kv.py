@@ -13,7 +13,8 @@ from jaxserve.kernels.rope_kv import reference
 @pytest.mark.parametrize("impl", rope_kv.IMPLEMENTATIONS)
 @pytest.mark.parametrize("H,KV,hd", [(4, 2, 16), (3, 1, 64)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rope_write_kv_matches_oracle(impl, H, KV, hd, dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_kv_matches_oracle(impl, H, KV, hd, dtype, qk_norm):
     rng = np.random.default_rng(H * hd)
     dt = jnp.dtype(dtype)
     T, L, NB, BS = 5, 3, 9, 4
@@ -24,6 +25,9 @@ def test_rope_write_kv_matches_oracle(impl, H, KV, hd, dtype):
     k_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, hd)), dt)
     v_cache = jnp.asarray(rng.standard_normal((L, NB, BS, KV, hd)), dt)
     kw = dict(num_heads=H, num_kv_heads=KV, head_dim=hd)
+    if qk_norm:  # Qwen3 / Gemma 3: each q and k head RMS-normed before RoPE (weights far from 1)
+        kw["qk_norm"] = (jnp.asarray(rng.uniform(0.2, 3.0, hd), jnp.float32),
+                         jnp.asarray(rng.uniform(0.2, 3.0, hd), jnp.float32), 1e-6)
     want = reference.rope_write_kv(qkv, positions, inv_freq, 1.25, k_cache, v_cache, 1, slots, **kw)
     fn = jax.jit(lambda *a: rope_kv.get(impl)(*a, **kw), donate_argnums=(4, 5))
     got = fn(qkv, positions, inv_freq, jnp.float32(1.25), jnp.array(k_cache), jnp.array(v_cache),
@@ -84,8 +88,10 @@ def test_rope_write_kv_takes_split_sums(impl, P):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_model_with_fused_rope_kv_is_the_same_function():
-    """The decoder with the Pallas kernel (interpreted) = the decoder's own jnp path."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_with_fused_rope_kv_is_the_same_function(arch):
+    """The decoder with the Pallas kernel (interpreted) = the decoder's own jnp path (Qwen3: with its
+    q/k norms inside the kernel)."""
     import functools
 
     from jaxserve.config import ModelConfig
@@ -93,9 +99,13 @@ def test_model_with_fused_rope_kv_is_the_same_function():
     from jaxserve.loader.materialize import random_weights
     from jaxserve.models import transformer as tf
 
-    cfg = ModelConfig(arch="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0)
+    cfg = ModelConfig(arch=arch, vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, qk_norm=arch == "qwen3")
     w = tf.fuse_projections(tf.unstack_layers(random_weights(cfg, jnp.float32, jax.random.PRNGKey(0), 0.2)))
+    if cfg.qk_norm:  # norm weights far from 1 (random_weights makes them ones)
+        rng = np.random.default_rng(1)
+        for lw in w["layers"]:
+            lw["q_norm"], lw["k_norm"] = (jnp.asarray(rng.uniform(0.2, 3.0, 16), jnp.float32) for _ in "qk")
     consts = {k: jnp.asarray(v) for k, v in tf.layer_constants(cfg).items()}
     T, BS = 6, 4
     shape = (cfg.num_layers, 8, BS, cfg.num_kv_heads, cfg.head_dim)

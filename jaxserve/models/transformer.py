@@ -75,6 +75,7 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     matmul for packed weights (default: the platform's). split_sums: the q/k/v, o and down matmuls
     may return split-K partials (a SplitSum) to the kernels that consume them (rope_kv, add_norm), one
     reduction kernel less each; resid may then be one (not in a scan: its carry is a plain array).
+    Both fused RoPE kernels also take Qwen3's / Gemma 3's per-head q/k RMSNorms.
     rope_attend: RoPE + K/V write + decode attention in one kernel (kernels/rope_attention), used
     with rope_kv in steps of decode tokens only (the decode program: no `decode_slots` region).
     moe_impl: the MoE experts' path (models/moe.experts_impl; the runner passes 'xla' on a mesh).
@@ -97,7 +98,8 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
     rope_pos = mrope_positions(cfg, batch) if cfg.mrope_section else batch["positions"]
     if "qkv" in w:  # fused projections (see fuse_projections): one GEMV instead of three
         # (the fused RoPE kernels take one position per token: multimodal RoPE stays on XLA's path)
-        to_rope_kv = rope_kv is not None and not cfg.qk_norm and not cfg.mrope_section
+        to_rope_kv = rope_kv is not None and not cfg.mrope_section
+        norm = {"qk_norm": (w["q_norm"], w["k_norm"], eps)} if cfg.qk_norm else {}
         qkv = proj(h, "qkv", split_out=split_sums and to_rope_kv and not cfg.attention_bias)
         if cfg.attention_bias:
             qkv = qkv + w["qkv_bias"]
@@ -105,13 +107,13 @@ def decoder_layer(cfg: ModelConfig, x, w, c, kv, batch, attention: Callable, res
             o, k_cache, v_cache = rope_attend(
                 qkv, batch["positions"], c["inv_freq"], c["attn_factor"], kv[0], kv[1], c["index"],
                 batch["slots"], batch["block_tables"], batch["token_seq"], num_heads=H, num_kv_heads=KV,
-                head_dim=hd, scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap)
+                head_dim=hd, scale=cfg.attn_scale, window=c["window"], softcap=cfg.attn_logit_softcap, **norm)
             fused_kv = attended = True
         elif to_rope_kv:
             # One kernel: split, RoPE on q and k, k/v into the cache (kernels/rope_kv).
             q, k_cache, v_cache = rope_kv(qkv, batch["positions"], c["inv_freq"], c["attn_factor"],
                                           kv[0], kv[1], c["index"], batch["slots"], num_heads=H,
-                                          num_kv_heads=KV, head_dim=hd)
+                                          num_kv_heads=KV, head_dim=hd, **norm)
             fused_kv = True
         else:
             q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)

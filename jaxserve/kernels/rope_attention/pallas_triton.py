@@ -26,12 +26,13 @@ from jax.experimental import pallas as pl
 from jaxserve.kernels.paged_attention import pallas_triton as pa
 from jaxserve.kernels.paged_attention.reference import to_cache
 from jaxserve.kernels.rope_kv import reference as rope_kv_ref
+from jaxserve.kernels.rope_kv.pallas_triton import norm_args
 from jaxserve.kernels.split_sum import SplitSum
 
 
-def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_ref, fac_ref, qkv_ref,
-            k_in, v_in, o_ref, m_ref, l_ref, k_ref, v_ref, *, scale, softcap, H, KV, G, Gp, D, BS, MB,
-            N, P, min_tiles, parts_dtype):
+def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_ref, fac_ref, qn_ref,
+            kn_ref, qkv_ref, k_in, v_in, o_ref, m_ref, l_ref, k_ref, v_ref, *, scale, softcap, H, KV, G,
+            Gp, D, BS, MB, N, P, min_tiles, parts_dtype, eps):
     t, h, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     window = window_ref[0]
@@ -64,10 +65,15 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_r
             v = v + part(i)
         return v.astype(parts_dtype)
 
-    def rope(base, mask=None):
-        """Rotate-half RoPE of the head(s) starting at column `base` (f32), as rope_kv.reference."""
+    def rope(base, norm_ref, mask=None):
+        """Rotate-half RoPE of the head(s) starting at column `base` (f32), as rope_kv.reference;
+        with a q/k norm each head is RMS-normed first (rounded to the projection's dtype)."""
         x = load(base + d, mask).astype(jnp.float32)
         xp = load(base + partner, mask).astype(jnp.float32)
+        if eps is not None:
+            r = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / D + eps)  # xp: the same row
+            x = (x * r * ld(norm_ref.at[d])).astype(dtype).astype(jnp.float32)
+            xp = (xp * r * ld(norm_ref.at[partner])).astype(dtype).astype(jnp.float32)
         return x * cos + sign * xp * sin
 
     g = jnp.arange(Gp)
@@ -76,8 +82,8 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_r
     hq = h * G + jnp.minimum(g, G - 1)
     dtype = parts_dtype or qkv_ref.dtype
     # rounded to the projection's dtype as rope_kv's q output would be; padded rows load nothing
-    q = rope((hq * D)[:, None], rows).astype(dtype)
-    k_new = to_cache(rope((H + h) * D).astype(dtype), k_ref.dtype)  # as the cache holds it
+    q = rope((hq * D)[:, None], qn_ref, rows).astype(dtype)
+    k_new = to_cache(rope((H + h) * D, kn_ref).astype(dtype), k_ref.dtype)  # as the cache holds it
     v_new = to_cache(load((H + KV + h) * D + d), v_ref.dtype)
 
     def body(j, carry):
@@ -119,10 +125,11 @@ def _kernel(layer_ref, window_ref, tables_ref, seq_ref, pos_ref, slot_ref, inv_r
 
 def rope_decode_attention(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots,
                           block_tables, token_seq, *, num_heads, num_kv_heads, head_dim, scale,
-                          window=0, softcap=None, interpret=None, num_splits=None, block_k=None,
-                          num_warps=None, num_stages=None, split_min_tiles=None):
-    """Same contract as reference.rope_decode_attention (qkv [T, N] or a SplitSum of it); every token
-    is its own sequence's newest (a decode step). Tuning keywords as paged_attention's decode kernel."""
+                          window=0, softcap=None, qk_norm=None, interpret=None, num_splits=None,
+                          block_k=None, num_warps=None, num_stages=None, split_min_tiles=None):
+    """Same contract as reference.rope_decode_attention (qkv [T, N] or a SplitSum of it; qk_norm as
+    rope_kv's); every token is its own sequence's newest (a decode step). Tuning keywords as
+    paged_attention's decode kernel."""
     if interpret is None:
         interpret = pa._on_cpu()
     H, KV, D = num_heads, num_kv_heads, head_dim
@@ -132,7 +139,7 @@ def rope_decode_attention(qkv, positions, inv_freq, attn_factor, k_cache, v_cach
         # power-of-two blocks): XLA's RoPE and scatter
         q, k_cache, v_cache = rope_kv_ref.rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache,
                                                         v_cache, layer, slots, num_heads=H,
-                                                        num_kv_heads=KV, head_dim=D)
+                                                        num_kv_heads=KV, head_dim=D, qk_norm=qk_norm)
         out = pa.paged_attention(q, k_cache, v_cache, layer, block_tables, token_seq, positions,
                                  scale=scale, window=window, softcap=softcap, mode="decode",
                                  interpret=interpret, num_splits=num_splits, block_k=block_k,
@@ -152,13 +159,14 @@ def rope_decode_attention(qkv, positions, inv_freq, attn_factor, k_cache, v_cach
     min_tiles = split_min_tiles or tune["split_min_tiles"]
     window = jnp.asarray(window, jnp.int32).reshape(1)
     positions = positions.astype(jnp.int32)
+    q_w, k_w, eps = norm_args(qk_norm, D)
     args = (jnp.asarray(layer, jnp.int32).reshape(1), window, block_tables.astype(jnp.int32),
             token_seq.astype(jnp.int32), positions, slots.astype(jnp.int32),
-            jnp.asarray(inv_freq, jnp.float32), jnp.asarray(attn_factor, jnp.float32).reshape(1), qkv,
-            k_cache, v_cache)
+            jnp.asarray(inv_freq, jnp.float32), jnp.asarray(attn_factor, jnp.float32).reshape(1), q_w, k_w,
+            qkv, k_cache, v_cache)
     kernel = functools.partial(_kernel, scale=float(scale), softcap=float(softcap) if softcap else None,
                                H=H, KV=KV, G=G, Gp=Gp, D=D, BS=BS, MB=MB, N=N, P=P, min_tiles=min_tiles,
-                               parts_dtype=parts_dtype)
+                               parts_dtype=parts_dtype, eps=eps)
     full = pl.BlockSpec()
     o, m, l, k_cache, v_cache = pl.pallas_call(
         kernel,
@@ -170,11 +178,11 @@ def rope_decode_attention(qkv, positions, inv_freq, attn_factor, k_cache, v_cach
                    jax.ShapeDtypeStruct((T, KV, P, Gp), jnp.float32),
                    jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        input_output_aliases={9: 3, 10: 4},
+        input_output_aliases={11: 3, 12: 4},
         interpret=interpret,
         compiler_params=None if interpret else pa._compiler_params(num_warps or tune["num_warps"],
                                                                    num_stages or tune["num_stages"]),
-        name=f"rope_paged_decode_G{Gp}_N{N}_P{P}",
+        name=f"rope_paged_decode_G{Gp}_N{N}_P{P}" + ("_qknorm" if eps is not None else ""),
     )(*args)
     out = pa.merge_splits(o, m, l, window, positions, num_heads=H, N=N, min_tiles=min_tiles,
                           dtype=parts_dtype or qkv.dtype, interpret=interpret)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxserve.kernels.paged_attention.reference import write_kv
+from jaxserve.kernels.rms_norm.reference import rms_norm
 from jaxserve.kernels.split_sum import total
 
 
@@ -23,12 +24,18 @@ def apply_rope(x, positions, inv_freq, attn_factor):
 
 
 def rope_write_kv(qkv, positions, inv_freq, attn_factor, k_cache, v_cache, layer, slots, *,
-                  num_heads, num_kv_heads, head_dim):
+                  num_heads, num_kv_heads, head_dim, qk_norm=None):
+    """qk_norm: None, or (q_weight [hd], k_weight [hd], eps): each q and k head RMS-normed before its
+    RoPE (Qwen3, Gemma 3), rounded to q's dtype as models/transformer does."""
     qkv = total(qkv)  # (a SplitSum: its parts added first)
     T = qkv.shape[0]
     H, KV, hd = num_heads, num_kv_heads, head_dim
     q, k, v = jnp.split(qkv, [H * hd, (H + KV) * hd], axis=-1)
-    q = apply_rope(q.reshape(T, H, hd), positions, inv_freq, attn_factor)
-    k = apply_rope(k.reshape(T, KV, hd), positions, inv_freq, attn_factor)
+    q, k = q.reshape(T, H, hd), k.reshape(T, KV, hd)
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        q, k = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps)
+    q = apply_rope(q, positions, inv_freq, attn_factor)
+    k = apply_rope(k, positions, inv_freq, attn_factor)
     k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v.reshape(T, KV, hd), slots)
     return q, k_cache, v_cache
