@@ -163,8 +163,9 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
     ap.add_argument("--attention", default="reference,pallas_triton")
     ap.add_argument("--contexts", default="0,4096,32768")
-    ap.add_argument("--fused-rope-kv", choices=["auto", "on", "off"], default="auto",
-                    help="the fused RoPE + K/V write kernel (auto: the engine's default, on with one GPU)")
+    ap.add_argument("--fused-rope-kv", default="auto",
+                    help="comma list of auto/on/off: the fused RoPE + K/V write kernel, one variant each "
+                         "(auto: the engine's default, on with one GPU)")
     ap.add_argument("--fused-decode-attention", choices=["auto", "on", "off"], default="auto",
                     help="RoPE + K/V write + decode attention in one kernel (auto: the engine's default)")
     ap.add_argument("--kv-dtype", default=None,
@@ -293,10 +294,14 @@ def main(argv=None):
                  for d in dgemvs for f8 in (fp8s if q == "fp8" else [None])]
     norm_warps = [int(w) for w in args.norm_warps.split(",") if w] or [None]
     variants = [v + (nw,) for v in variants for nw in norm_warps]
+    onoff = {"auto": None, "on": True, "off": False}
+    rope_kvs = args.fused_rope_kv.split(",")
+    if set(rope_kvs) - set(onoff):
+        raise SystemExit(f"--fused-rope-kv: each of {rope_kvs} must be auto, on or off")
+    variants = [v + (rk,) for v in variants for rk in rope_kvs]
     fused = False
     base_qmatmul = qmatmul
-    onoff = {"auto": None, "on": True, "off": False}
-    for quant, spec, fuse, dgemv, f8kw, nw in variants:
+    for quant, spec, fuse, dgemv, f8kw, nw, rope_kv in variants:
         label, fn = parse_impl(spec)
         qmatmul = base_qmatmul
         if f8kw:  # FP8 kernel tuning (kernels/quant_matmul/pallas_fp8.qmatmul's keywords)
@@ -305,7 +310,7 @@ def main(argv=None):
             qmatmul = functools.partial(base_qmatmul or qpt.qmatmul, fp8=f8kw)
             qmatmul.takes_split_out = getattr(base_qmatmul or qpt.qmatmul, "takes_split_out", False)
             label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
-        label += (" fused" if fuse else "") + (f" rope_kv={args.fused_rope_kv}" if args.fused_rope_kv != "auto" else "")
+        label += (" fused" if fuse else "") + (f" rope_kv={rope_kv}" if rope_kv != "auto" else "")
         label += f" fused_attn={args.fused_decode_attention}" if args.fused_decode_attention != "auto" else ""
         label += f" kv={args.kv_dtype}" if args.kv_dtype else ""
         if dgemv is not None:
@@ -337,7 +342,7 @@ def main(argv=None):
         B = args.batch
         runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
-                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=onoff[args.fused_rope_kv],
+                              seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=onoff[rope_kv],
                               qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv,
                               fused_decode_attention=onoff[args.fused_decode_attention],
                               kv_dtype=args.kv_dtype)
