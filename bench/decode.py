@@ -166,6 +166,9 @@ def main(argv=None):
     ap.add_argument("--fused-rope-kv", default="auto",
                     help="comma list of auto/on/off: the fused RoPE + K/V write kernel, one variant each "
                          "(auto: the engine's default, on with one GPU)")
+    ap.add_argument("--moe-route", default="on",
+                    help="comma list of on/off: MoE routing in kernels/moe_route's Pallas kernel where the "
+                         "experts take the Pallas kernels (models/moe.ROUTE_KERNEL_MAX_TOKENS), one variant each")
     ap.add_argument("--fused-decode-attention", choices=["auto", "on", "off"], default="auto",
                     help="RoPE + K/V write + decode attention in one kernel (auto: the engine's default)")
     ap.add_argument("--kv-dtype", default=None,
@@ -298,10 +301,18 @@ def main(argv=None):
     rope_kvs = args.fused_rope_kv.split(",")
     if set(rope_kvs) - set(onoff):
         raise SystemExit(f"--fused-rope-kv: each of {rope_kvs} must be auto, on or off")
-    variants = [v + (rk,) for v in variants for rk in rope_kvs]
+    routes = args.moe_route.split(",")
+    if set(routes) - {"on", "off"}:
+        raise SystemExit(f"--moe-route: each of {routes} must be on or off")
+    variants = [v + (rk, mr) for v in variants for rk in rope_kvs for mr in routes]
+    from jaxserve.models import moe
+
+    route_default = moe.ROUTE_KERNEL_MAX_TOKENS
     fused = False
     base_qmatmul = qmatmul
-    for quant, spec, fuse, dgemv, f8kw, nw, rope_kv in variants:
+    for quant, spec, fuse, dgemv, f8kw, nw, rope_kv, moe_route in variants:
+        # read when the program traces; part of the program store's key
+        moe.ROUTE_KERNEL_MAX_TOKENS = route_default if moe_route == "on" else 0
         label, fn = parse_impl(spec)
         qmatmul = base_qmatmul
         if f8kw:  # FP8 kernel tuning (kernels/quant_matmul/pallas_fp8.qmatmul's keywords)
@@ -311,6 +322,7 @@ def main(argv=None):
             qmatmul.takes_split_out = getattr(base_qmatmul or qpt.qmatmul, "takes_split_out", False)
             label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
         label += (" fused" if fuse else "") + (f" rope_kv={rope_kv}" if rope_kv != "auto" else "")
+        label += " route=off" if moe_route == "off" else ""
         label += f" fused_attn={args.fused_decode_attention}" if args.fused_decode_attention != "auto" else ""
         label += f" kv={args.kv_dtype}" if args.kv_dtype else ""
         if dgemv is not None:

@@ -129,6 +129,9 @@ def main(argv=None):
     ap.add_argument("--moe-kernel-max-tile", type=int, default=None,
                     help="MoE models: tiles of up to this many rows through the in-place expert kernels "
                          "(models/moe.KERNEL_MAX_TILE, read when programs trace; 0 = XLA's path)")
+    ap.add_argument("--moe-route-max-tokens", type=int, default=None,
+                    help="steps of up to this many tokens route in kernels/moe_route's Pallas kernel where the "
+                         "experts take the Pallas kernels (models/moe.ROUTE_KERNEL_MAX_TOKENS; 0 = XLA's ops)")
     ap.add_argument("--moe-packed-kernel-max-tile", type=int, default=None,
                     help="MoE models with --quant: tiles of up to this many rows through the grouped quantized "
                          "matmul (models/moe.PACKED_KERNEL_MAX_TILE; 0 = XLA's gather + dequantize)")
@@ -167,6 +170,10 @@ def main(argv=None):
         from jaxserve.models import moe
 
         moe.KERNEL_MAX_TILE = args.moe_kernel_max_tile  # a module setting: part of the program store's key
+    if args.moe_route_max_tokens is not None:
+        from jaxserve.models import moe
+
+        moe.ROUTE_KERNEL_MAX_TOKENS = args.moe_route_max_tokens  # (in the program store's key)
     if args.moe_packed_kernel_max_tile is not None:
         from jaxserve.models import moe
 

@@ -143,7 +143,8 @@ def _qwen3_moe_layer(rng, E, k, D, F, dtype):
 @pytest.mark.usefixtures("highest_precision")
 def test_moe_mlp_through_the_kernel_matches_the_xla_path(dtype, tokens):
     """moe_mlp with the expert path forced to the kernel (interpreter on CPU) against the XLA path:
-    one-row tiles (1 and 5 tokens: 4 and 20 pairs) and 16-row sorted tiles (24 tokens: 96 pairs)."""
+    one-row tiles (1 and 5 tokens: 4 and 20 pairs) and 16-row sorted tiles (24 tokens: 96 pairs); the
+    kernel path routes in kernels/moe_route's Pallas kernel, here with padding tokens in the step."""
     from jaxserve.models import moe
 
     rng = np.random.default_rng(tokens)
@@ -151,10 +152,13 @@ def test_moe_mlp_through_the_kernel_matches_the_xla_path(dtype, tokens):
     cfg, w = _qwen3_moe_layer(rng, 32, 4, 64, 96, dt)
     h = jnp.asarray(rng.standard_normal((tokens, 64)), dt)
     assert moe._tile(tokens * 4) == (1 if tokens < 24 else 16)
-    run = lambda impl: np.asarray(jax.jit(lambda h: moe.moe_mlp(cfg, h, w, jax.nn.silu, impl=impl))(h),  # noqa: E731
-                                  np.float64)
+    valid = jnp.asarray(np.arange(tokens) % 4 != 1)  # token 1 (and 5, 9, ...) is padding
+    run = lambda impl: np.asarray(jax.jit(  # noqa: E731
+        lambda h: moe.moe_mlp(cfg, h, w, jax.nn.silu, impl=impl, valid=valid))(h), np.float64)
     got, want = run("pallas_triton"), run("xla")
     assert np.abs(want).max() > 0.1
+    if tokens > 1:
+        assert np.all(want[1] == 0)  # a padding token's experts weigh 0
     # bf16: the XLA path rounds g, u and act(g) * u to bf16, the kernel only act(g) * u; one bf16 output
     tol = 1e-5 if dtype == "float32" else 3e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kernels import moe_gemv
+from jaxserve.kernels import moe_gemv, moe_route
+from jaxserve.kernels.moe_route import reference as moe_route_ref
 from jaxserve.kernels.quant_matmul import cpu_native
 from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
 from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize, leaf_names
@@ -52,25 +53,20 @@ KERNEL_MAX_TILE = 16
 # gather + dequantize 376 us a layer call at one token, 700 vs 3,200 us at 32 tokens; the engine (q4k
 # Qwen3-30B-A3B shape) decodes 240 tok/s at batch 1 against 57 on XLA's path.
 PACKED_KERNEL_MAX_TILE = 16
+# Steps of up to this many tokens route in kernels/moe_route's Pallas kernel where the experts take
+# the Pallas kernels (0: XLA's ops always).
+ROUTE_KERNEL_MAX_TOKENS = 256
 
 
-def route(cfg: ModelConfig, h, router):
-    """h [T, D] -> (expert ids [T, k] int32, their weights [T, k] f32)."""
-    logits = jnp.dot(h, router.astype(h.dtype)).astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = jax.lax.top_k(probs, cfg.experts_per_token)
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids.astype(jnp.int32), weights
+def route(cfg: ModelConfig, h, router, valid=None, impl: str = "reference"):
+    """h [T, D] -> (expert ids [T, k] int32, their weights [T, k] f32): kernels/moe_route (softmax in
+    f32, top-k, renormalized when the config says so; padding tokens, valid False, parked on the first
+    valid token's experts with weight 0). impl: its implementation."""
+    logits = jnp.dot(h, router.astype(h.dtype))
+    return moe_route.get(impl)(logits, valid, k=cfg.experts_per_token, normalize=cfg.norm_topk_prob)
 
 
-def park_padding(ids, weights, valid):
-    """Padding tokens (valid False: bucket padding, empty rows) take the first real token's experts
-    with weight 0: their outputs are dropped anyway, and choices of their own would make the step
-    read (gather) experts no real token uses."""
-    first = jnp.argmax(valid)
-    ids = jnp.where(valid[:, None], ids, ids[first][None, :])
-    return ids, jnp.where(valid[:, None], weights, 0.0)
+park_padding = moe_route_ref.park_padding  # (tests use it)
 
 
 def _tile(pairs: int) -> int:
@@ -102,12 +98,14 @@ def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None
     valid (bool [T], optional): False for a step's padding tokens, see park_padding."""
     T, D = h.shape
     E, K = cfg.num_experts, cfg.experts_per_token
-    ids, weights = route(cfg, h, w["router"])
-    if valid is not None:
-        ids, weights = park_padding(ids, weights, valid)
-    dt = h.dtype
     P = T * K
     packed = isinstance(w["experts_gate"], QWeight)
+    # Steps whose experts run on the Pallas kernels route in one Pallas kernel too (XLA's softmax,
+    # top-k and padding rule are several small kernels a layer); the kernel's per-token program reads
+    # the step's valid mask whole, so only decode-sized steps.
+    kernel_route = T <= ROUTE_KERNEL_MAX_TOKENS and experts_impl(impl, _tile(P), packed) != "xla"
+    ids, weights = route(cfg, h, w["router"], valid, "pallas_triton" if kernel_route else "reference")
+    dt = h.dtype
     if E <= 16 and P > 4 * E:
         # packed experts on their kernel: 16-row sorted tiles read each used expert about once
         if packed and experts_impl(impl, 16, packed) != "xla":
