@@ -12,6 +12,7 @@
 #                                               moe moe-kernels fused-ab kv-fp8 moe-packed lora spec
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
+#                                               tests-s27 qk-norm moe-route
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -64,6 +65,15 @@ for part in "$@"; do
     # figures, bs1 80 and 32 sequences 609 tok/s on the H200); needs an H200 (61 GB of bf16 weights)
     # The same on an 80 GB card: the first 24 of the 48 layers (~31 GB), XLA's gathered-weights path (0)
     # against the expert kernels (16), a fresh process each (per-layer figures, not the whole model's)
+    # Session 27: the new kernels compiled on the GPU; Qwen3's q/k norms inside the fused RoPE kernels
+    # (off = XLA's norm, RoPE and scatter, the old path); the MoE routing kernel, A/B with a kernel table
+    tests-s27) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -p no:cacheprovider \
+                 tests/test_moe_route.py tests/test_rope_kv.py tests/test_rope_attention.py -k "not engine" 2>&1 | tail -3 ;;
+    qk-norm) timeout 200 python3 bench/decode.py --random-weights --config qwen3-8b --attention pallas_triton \
+               --contexts 128,4096 --runs 3 --fused-rope-kv off,auto --json "$OUT/decode.jsonl" 2>&1 | tail -6 ;;
+    moe-route) timeout 240 python3 bench/decode.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
+                 --attention pallas_triton --contexts 128 --runs 3 --moe-route off,on --profile 1 \
+                 --json "$OUT/decode.jsonl" 2>&1 | grep -v "^  run" | grep -v "^| .* | 0.0[01]. |$" | tail -80 ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \
