@@ -85,10 +85,11 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         max_logprobs=max_logprobs, seq_buckets=(batch,), prefill_chunk_size=256,
                         token_buckets=(256,), enable_prefix_cache=False, fuse_projections=fuse,
                         fused_rope_kv=fused_rope_kv, int8_activations=int8_activations,
-                        scan_layers=False, dense_gemv=dense_gemv is not None,
+                        scan_layers=False,
+                        dense_gemv=None if dense_gemv == "auto" else dense_gemv is not None,
                         fused_decode_attention=fused_decode_attention, kv_dtype=kv_dtype)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul,
-                         dense_gemv_tuning=dense_gemv)
+                         dense_gemv_tuning=dense_gemv if isinstance(dense_gemv, dict) else None)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
     shape, dt = runner.state["k"].shape, runner.state["k"].dtype
     kk, kv = jax.random.split(jax.random.PRNGKey(seed + 1))
@@ -190,7 +191,7 @@ def main(argv=None):
     ap.add_argument("--int8-activations", action="store_true",
                     help="the engine's int8_activations option (integer-dot decode matmuls of 4-bit weights)")
     ap.add_argument("--dense-gemv", default="off",
-                    help="semicolon list of variants: off, on, or on:KEY=V,... (the engine's dense_gemv option "
+                    help="semicolon list of variants: off, auto (the engine's default), on, or on:KEY=V,... (the engine's dense_gemv option "
                          "with kernels/dense_gemv/pallas_triton.TUNING keys, e.g. 'off;on;on:block_n=32,max_splits=4')")
     ap.add_argument("--fp8-kernel", default="",
                     help="semicolon list of keyword sets (K=V,...) of kernels/quant_matmul/pallas_fp8.qmatmul for "
@@ -275,10 +276,10 @@ def main(argv=None):
     if weights is not None:
         weights = tf.unstack_layers(weights)  # once, here: every variant below shares these arrays
     fuses = [f == "on" for f in args.fuse.split(",")]
-    dgemvs = []  # None (off) or the kernel's tuning dict
+    dgemvs = []  # None (off), "auto" (the engine's default) or the kernel's tuning dict
     for v in args.dense_gemv.split(";"):
-        if v == "off":
-            dgemvs.append(None)
+        if v in ("off", "auto"):
+            dgemvs.append(None if v == "off" else "auto")
         elif v == "on" or v.startswith("on:"):
             from jaxserve.kernels.dense_gemv import pallas_triton as dpt
 
@@ -325,7 +326,9 @@ def main(argv=None):
         label += " route=off" if moe_route == "off" else ""
         label += f" fused_attn={args.fused_decode_attention}" if args.fused_decode_attention != "auto" else ""
         label += f" kv={args.kv_dtype}" if args.kv_dtype else ""
-        if dgemv is not None:
+        if dgemv == "auto":
+            label += " dgemv=auto"
+        elif dgemv is not None:
             label += " dgemv" + "".join(f",{k}={v}" for k, v in sorted(dgemv.items()))
         if quant != "none":
             from bench.random_model import random_packed_layers

@@ -84,6 +84,51 @@ def test_engine_matmul_routes_each_call():
                                np.asarray(dense_gemv.act_mul("silu", gu) @ w), rtol=1e-6)
 
 
+def test_engine_matmul_narrow_mode():
+    """The engine's default on one GPU (max_n): every one-row call with at most max_n output columns
+    takes the kernel, split_out or not (a plain call gets the plain output); wider weights and
+    prompt-sized steps stay x @ w."""
+    mm = dense_gemv.engine_matmul(max_n=64)
+    rng = np.random.default_rng(3)
+    narrow = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
+    wide = jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)
+    x1 = jnp.asarray(rng.standard_normal((1, 128)), jnp.float32)
+    x8 = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+    calls = []
+    real = pallas_triton.gemv
+    try:
+        pallas_triton.gemv = lambda *a, **k: calls.append(a[1].shape) or real(*a, **k)
+        got = mm(x1, narrow)
+        assert not isinstance(got, SplitSum)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x1 @ narrow), rtol=1e-5, atol=1e-5)
+        assert isinstance(mm(x1, narrow, split_out=True), SplitSum)
+        assert not isinstance(mm(x1, wide, split_out=True), SplitSum)  # wide: XLA's GEMM
+        np.testing.assert_allclose(np.asarray(mm(x8, narrow)), np.asarray(x8 @ narrow), rtol=1e-6)
+    finally:
+        pallas_triton.gemv = real
+    assert calls == [(128, 64), (128, 64)]
+
+
+def test_moe_router_takes_the_runner_matmul(monkeypatch):
+    """A MoE block given the runner's dense matmul runs its router (E = 32 columns) through the GEMV;
+    the block is the same function."""
+    from test_moe_gemv import _qwen3_moe_layer
+
+    from jaxserve.models import moe
+
+    rng = np.random.default_rng(5)
+    cfg, w = _qwen3_moe_layer(rng, 32, 4, 64, 96, jnp.float32)
+    h = jnp.asarray(rng.standard_normal((1, 64)), jnp.float32)
+    calls = []
+    real = pallas_triton.gemv
+    monkeypatch.setattr(pallas_triton, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    mm = dense_gemv.engine_matmul(max_n=dense_gemv.AUTO_MAX_N)
+    got = moe.moe_mlp(cfg, h, w, jax.nn.silu, impl="xla", qmm=mm)
+    want = moe.moe_mlp(cfg, h, w, jax.nn.silu, impl="xla")
+    assert calls == [(64, 32)]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def _tiny(arch="llama"):
     from jaxserve.config import ModelConfig
 

@@ -223,13 +223,15 @@ class ModelRunner:
             from jaxserve.kernels.quant_matmul import pallas_fp8
 
             self.weights = weights = pallas_fp8.for_device(weights, ecfg.dtype, free=True)
-        if ecfg.dense_gemv:
-            if mesh is not None:
-                raise ValueError("dense_gemv needs a single device (no mesh)")
+        if ecfg.dense_gemv and mesh is not None:
+            raise ValueError("dense_gemv needs a single device (no mesh)")
+        if ecfg.dense_gemv or (ecfg.dense_gemv is None and mesh is None and platform != "cpu"):
             from jaxserve.kernels import dense_gemv
 
-            # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv)
-            self.qmatmul = dense_gemv.engine_matmul(self.qmatmul, **(dense_gemv_tuning or {}))
+            # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv).
+            # Default (None) on one GPU: only the narrow one-row matmuls XLA does badly (AUTO_MAX_N)
+            narrow = {} if ecfg.dense_gemv else {"max_n": dense_gemv.AUTO_MAX_N}
+            self.qmatmul = dense_gemv.engine_matmul(self.qmatmul, **narrow, **(dense_gemv_tuning or {}))
         self.num_top = ecfg.max_logprobs
         self.num_adapters = ecfg.lora_slots  # multi-LoRA: the step inputs carry each token's adapter scales
         self.R = ecfg.max_num_seqs  # persistent rows; index R is the dummy row

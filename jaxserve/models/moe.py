@@ -58,11 +58,13 @@ PACKED_KERNEL_MAX_TILE = 16
 ROUTE_KERNEL_MAX_TOKENS = 256
 
 
-def route(cfg: ModelConfig, h, router, valid=None, impl: str = "reference"):
+def route(cfg: ModelConfig, h, router, valid=None, impl: str = "reference", qmm: Callable | None = None):
     """h [T, D] -> (expert ids [T, k] int32, their weights [T, k] f32): kernels/moe_route (softmax in
     f32, top-k, renormalized when the config says so; padding tokens, valid False, parked on the first
-    valid token's experts with weight 0). impl: its implementation."""
-    logits = jnp.dot(h, router.astype(h.dtype))
+    valid token's experts with weight 0). impl: its implementation; qmm: the runner's matmul when it
+    takes dense weights (kernels/dense_gemv: the router's narrow one-row GEMV)."""
+    r = router.astype(h.dtype)
+    logits = qmm(h, r) if getattr(qmm, "takes_dense", False) else jnp.dot(h, r)
     return moe_route.get(impl)(logits, valid, k=cfg.experts_per_token, normalize=cfg.norm_topk_prob)
 
 
@@ -104,7 +106,7 @@ def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None
     # top-k and padding rule are several small kernels a layer); the kernel's per-token program reads
     # the step's valid mask whole, so only decode-sized steps.
     kernel_route = T <= ROUTE_KERNEL_MAX_TOKENS and experts_impl(impl, _tile(P), packed) != "xla"
-    ids, weights = route(cfg, h, w["router"], valid, "pallas_triton" if kernel_route else "reference")
+    ids, weights = route(cfg, h, w["router"], valid, "pallas_triton" if kernel_route else "reference", qmm)
     dt = h.dtype
     if E <= 16 and P > 4 * E:
         # packed experts on their kernel: 16-row sorted tiles read each used expert about once

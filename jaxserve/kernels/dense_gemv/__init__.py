@@ -21,6 +21,13 @@ from jaxserve.kernels import registry
 from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
 
 ENGINE_MAX_M = 2
+# The engine's default on one GPU (EngineConfig.dense_gemv None): only one-row matmuls with at most this
+# many output columns take the Pallas GEMV. XLA emits those (N <= 2,048) not as a GEMM but as a
+# multiply that writes the whole x * W product, then a reduction of it: the weight's bytes moved three
+# times (bench/RESULTS.md session 27, H100: Qwen3-30B-A3B's o projection 28 us a layer, its router
+# 11 us; with the Pallas GEMV Llama-3.2-1B bs1 +16%, the MoE model +26%). Wider matmuls stay XLA's
+# GEMMs, which beat this kernel there (session 6).
+AUTO_MAX_N = 2048
 
 
 def get(name: str):
@@ -47,20 +54,23 @@ def act_mul(act: str, x):
     return activation(act, g) * u
 
 
-def engine_matmul(packed=None, *, max_m: int = ENGINE_MAX_M, **tuning):
+def engine_matmul(packed=None, *, max_m: int = ENGINE_MAX_M, max_n: int | None = None, **tuning):
     """The runner's matmul (transformer.linear's `qmm`) with the dense decode GEMV on: packed
-    weights go to `packed` (None: the platform's quantized matmul); dense 2-D weights of a call that
-    asks for split_out or act, with at most max_m rows, go to the Pallas GEMV (tuning: its keyword
-    arguments); other dense calls are x @ w. A partial of a module function, so the program store's
-    key names its arguments (program_store.stable_name)."""
-    mm = functools.partial(_engine_mm, packed=packed, max_m=max_m, tuning=tuple(sorted(tuning.items())))
+    weights go to `packed` (None: the platform's quantized matmul); dense 2-D weights of a call with
+    at most max_m rows go to the Pallas GEMV (tuning: its keyword arguments) when the call asks for
+    split_out or act (max_n None: every width), or, with max_n, when the weight has at most max_n
+    columns (any call: the engine's default, AUTO_MAX_N); other dense calls are x @ w. A partial of
+    a module function, so the program store's key names its arguments (program_store.stable_name)."""
+    mm = functools.partial(_engine_mm, packed=packed, max_m=max_m, max_n=max_n,
+                           tuning=tuple(sorted(tuning.items())))
     mm.takes_split_out = True
     mm.takes_dense = True  # transformer.linear hands it dense weights too
     mm.takes_act = True  # ... and the down projection's [g | u] input with the activation's name
     return mm
 
 
-def _engine_mm(x, w, *, split_out: bool = False, act: str | None = None, packed=None, max_m: int, tuning):
+def _engine_mm(x, w, *, split_out: bool = False, act: str | None = None, packed=None, max_m: int,
+               max_n: int | None = None, tuning):
     from jaxserve.kernels.dense_gemv import pallas_triton
     from jaxserve.quant.qweight import QWeight
 
@@ -69,7 +79,8 @@ def _engine_mm(x, w, *, split_out: bool = False, act: str | None = None, packed=
 
         return quant_matmul.apply(act_mul(act, x) if act is not None else x, w, packed, split_out)
     M = math.prod(x.shape[:-1])
-    if (split_out or act is not None) and M <= max_m and pallas_triton.supports(x, w, act):
+    wanted = (split_out or act is not None) if max_n is None else (getattr(w, "ndim", 0) == 2 and w.shape[-1] <= max_n)
+    if wanted and M <= max_m and pallas_triton.supports(x, w, act):
         return pallas_triton.gemv(x, w, act=act, split_out=split_out, **dict(tuning))
     x = act_mul(act, x) if act is not None else x
     return x @ w
