@@ -108,8 +108,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(auto: on with one device and no tp/dp mesh)")
     e.add_argument("--dense-gemv", choices=["auto", "on", "off"], default="auto",
                    help="decode steps' dense q/k/v, o and down matmuls as Pallas GEMVs that pass split-K "
-                        "partials to the next kernel and fuse the MLP activation (one GPU; auto: only one-row matmuls "
-                        "of <= 2,048 output columns, which XLA runs as a multiply + reduction)")
+                        "partials to the next kernel and fuse the MLP activation (one GPU; auto: only matmuls of <= 2 "
+                        "rows and <= 2,048 output columns, which XLA runs as a multiply + reduction)")
     e.add_argument("--seed", type=int, default=None)
 
 

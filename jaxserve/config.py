@@ -342,7 +342,7 @@ class EngineConfig:
     int8_activations: bool = False
     # Decode steps' dense q/k/v, o and down matmuls as Pallas GEMVs (kernels/dense_gemv) that hand split-K
     # partials to the RoPE/norm kernels and fuse the MLP activation into the down matmul. None: on one
-    # GPU, only one-row matmuls of at most dense_gemv.AUTO_MAX_N output columns (XLA's are slow there).
+    # GPU, only matmuls of <= 2 rows and at most dense_gemv.AUTO_MAX_N output columns (XLA's are slow there).
     dense_gemv: bool | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
     # Speculative decoding (engine/speculative.py; vLLM's speculative_config {"method": "ngram",

@@ -245,8 +245,8 @@ def test_padding_tokens_are_parked_on_real_experts():
     _, deq = _layer(experts, "q8_0", seed=5)
     h = np.random.default_rng(3).standard_normal((tokens, D)).astype(np.float32)
     valid = np.arange(tokens) % 3 != 0  # token 0 is padding too: the first real one is token 1
-    ids, weights = moe.route(cfg, jnp.asarray(h), deq["router"])
-    pid, pw = (np.asarray(a) for a in moe.park_padding(ids, weights, jnp.asarray(valid)))
+    ids, _ = moe.route(cfg, jnp.asarray(h), deq["router"])
+    pid, pw = (np.asarray(a) for a in moe.route(cfg, jnp.asarray(h), deq["router"], jnp.asarray(valid)))
     assert set(pid[~valid].ravel()) <= set(np.asarray(ids)[valid].ravel())
     assert np.all(pw[~valid] == 0) and np.array_equal(pid[valid], np.asarray(ids)[valid])
     with jax.default_matmul_precision("highest"):

@@ -229,7 +229,7 @@ class ModelRunner:
             from jaxserve.kernels import dense_gemv
 
             # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv).
-            # Default (None) on one GPU: only the narrow one-row matmuls XLA does badly (AUTO_MAX_N)
+            # Default (None) on one GPU: only the narrow decode matmuls XLA does badly (AUTO_MAX_N)
             narrow = {} if ecfg.dense_gemv else {"max_n": dense_gemv.AUTO_MAX_N}
             self.qmatmul = dense_gemv.engine_matmul(self.qmatmul, **narrow, **(dense_gemv_tuning or {}))
         self.num_top = ecfg.max_logprobs

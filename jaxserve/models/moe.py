@@ -38,7 +38,6 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kernels import moe_gemv, moe_route
-from jaxserve.kernels.moe_route import reference as moe_route_ref
 from jaxserve.kernels.quant_matmul import cpu_native
 from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
 from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize, leaf_names
@@ -68,9 +67,6 @@ def route(cfg: ModelConfig, h, router, valid=None, impl: str = "reference", qmm:
     return moe_route.get(impl)(logits, valid, k=cfg.experts_per_token, normalize=cfg.norm_topk_prob)
 
 
-park_padding = moe_route_ref.park_padding  # (tests use it)
-
-
 def _tile(pairs: int) -> int:
     """Rows per tile for this many (token, expert) pairs: 1 for decode-sized steps (only the chosen
     experts' weights are gathered), larger for prompt chunks (fewer gathered weight copies)."""
@@ -97,7 +93,7 @@ def moe_mlp(cfg: ModelConfig, h, w: dict, act: Callable, impl: str | None = None
     (router [D, E], experts_gate / experts_up [E, D, F], experts_down [E, F, D], shared_* for Qwen2-MoE;
     experts and the shared expert may be packed). act: the activation (the kernel path applies
     cfg.hidden_act itself); impl: see experts_impl; qmm: the shared expert's quantized matmul.
-    valid (bool [T], optional): False for a step's padding tokens, see park_padding."""
+    valid (bool [T], optional): False for a step's padding tokens, see kernels/moe_route."""
     T, D = h.shape
     E, K = cfg.num_experts, cfg.experts_per_token
     P = T * K

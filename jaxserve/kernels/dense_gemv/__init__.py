@@ -21,12 +21,13 @@ from jaxserve.kernels import registry
 from jaxserve.kernels.registry import IMPLEMENTATIONS, default_for  # noqa: F401
 
 ENGINE_MAX_M = 2
-# The engine's default on one GPU (EngineConfig.dense_gemv None): only one-row matmuls with at most this
-# many output columns take the Pallas GEMV. XLA emits those (N <= 2,048) not as a GEMM but as a
-# multiply that writes the whole x * W product, then a reduction of it: the weight's bytes moved three
-# times (bench/RESULTS.md session 27, H100: Qwen3-30B-A3B's o projection 28 us a layer, its router
-# 11 us; with the Pallas GEMV Llama-3.2-1B bs1 +16%, the MoE model +26%). Wider matmuls stay XLA's
-# GEMMs, which beat this kernel there (session 6).
+# The engine's default on one GPU (EngineConfig.dense_gemv None): only decode matmuls of at most
+# ENGINE_MAX_M rows with at most this many output columns take the Pallas GEMV. XLA emits one-row
+# matmuls of N <= 2,048 not as a GEMM but as a multiply that writes the whole x * W product, then a
+# reduction of it: the weight's bytes moved three times (bench/RESULTS.md session 27, H100:
+# Qwen3-30B-A3B's o projection 28 us a layer, its router 11 us; with this default Llama-3.2-1B bs1
+# +8%, the MoE model's first 24 layers +28%). Wider matmuls stay XLA's GEMMs, which beat this kernel
+# there (session 6).
 AUTO_MAX_N = 2048
 
 
