@@ -13,6 +13,7 @@
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
+#                                               gemv-layout moe-gen-24
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -74,6 +75,11 @@ for part in "$@"; do
     moe-route) timeout 240 python3 bench/decode.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                  --attention pallas_triton --contexts 128 --runs 3 --moe-route off,on --profile 1 \
                  --json "$OUT/decode.jsonl" 2>&1 | grep -v "^  run" | grep -v "^| .* | 0.0[01]. |$" | tail -80 ;;
+    # Session 28: one-row GEMVs by weight layout ([K, N] as held today vs the checkpoint's [N, K]), XLA's
+    # and Pallas's; the MoE-24 model through generate with the session-27 defaults (routing kernel, dense GEMV)
+    gemv-layout) timeout 420 python3 bench/gemv_layout.py 2>&1 | tail -100 ;;
+    moe-gen-24) timeout 240 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
+                  --runs 3 --workloads 1x128x256,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -4 ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \

@@ -1,0 +1,161 @@
+"""Does the weight's layout decide a one-row GEMV's speed? Per matmul of the Llama-3.1-8B and Llama-3.2-1B
+shapes, device time (profiler trace, 8 distinct weights per call so that L2 holds none) of:
+
+  xla_kn     x @ w, w [K, N] (N contiguous: jaxserve's layout today)
+  xla_nk     x @ wt.T, wt [N, K] (K contiguous: the checkpoint's own [out, in] layout)
+  pallas_kn  kernels/dense_gemv (the engine's Pallas GEMV, its defaults; split-K parts left to a consumer)
+  nk:...     a Pallas GEMV over wt [N, K] (below): each program reads bn whole K-contiguous rows of wt
+
+The nk kernel (prototype, here until it earns a place in kernels/dense_gemv): grid (N / bn, K splits);
+'dot' mode pads x to 16 rows and does one tensor-core dot per [bn, bk] tile (Triton streams the tiles
+that feed a dot through shared memory); 'fma' keeps a [bn, bk] f32 accumulator per row; 'fma1' reduces
+each step into [bn]. One call:
+
+    python3 bench/gemv_layout.py [--shapes qkv,o,...] [--variant nk:mode=dot,bn=64,bk=128 ...] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from bench.profiling import check_and_time  # noqa: E402
+from jaxserve.kernels.dense_gemv import pallas_triton as dpt  # noqa: E402
+from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _dot  # noqa: E402
+from jaxserve.kernels.split_sum import SplitSum  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672),
+          "lm_head": (4096, 128256), "1b_qkv": (2048, 3072), "1b_o": (2048, 2048), "1b_gate_up": (2048, 16384),
+          "1b_down": (8192, 2048)}
+VARIANTS = ["xla_kn", "xla_nk", "pallas_kn",
+            "nk:mode=dot,bn=64,bk=128", "nk:mode=dot,bn=128,bk=128", "nk:mode=dot,bn=64,bk=256",
+            "nk:mode=dot,bn=32,bk=256,per_sm=4", "nk:mode=fma,bn=16,bk=256", "nk:mode=fma1,bn=16,bk=512",
+            "nk:mode=fma1,bn=8,bk=512,per_sm=4"]
+NK = dict(mode="dot", bn=64, bk=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
+ROWS = 16
+
+
+def _nk_kernel(x_ref, w_ref, o_ref, *, M, bn, bk, per, nsteps, mode):
+    jn, ks = pl.program_id(0), pl.program_id(1)
+    n0 = jn * bn
+    f32 = jnp.float32
+    b0 = ks * per
+    b1 = jnp.minimum(b0 + per, nsteps)
+    if mode == "dot":
+        r = jnp.arange(ROWS)
+        real = r < M
+        rows = jnp.minimum(r, M - 1)
+
+        def body(i, acc):
+            ks_ = i * bk + jnp.arange(bk)
+            xt = jnp.where(real[:, None], x_ref[rows[:, None], ks_[None, :]], 0).astype(w_ref.dtype)
+            return acc + _dot(xt, w_ref[pl.ds(n0, bn), pl.ds(i * bk, bk)], trans_b=True)
+
+        acc = lax.fori_loop(b0, b1, body, jnp.zeros((ROWS, bn), f32))
+        for m in range(M):
+            o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(jnp.where(r[:, None] == m, acc, 0.0), axis=0).astype(o_ref.dtype)
+        return
+    if mode == "fma":
+        def body(i, acc):
+            wt = w_ref[pl.ds(n0, bn), pl.ds(i * bk, bk)].astype(f32)
+            return tuple(acc[m] + wt * x_ref[m, pl.ds(i * bk, bk)].astype(f32)[None, :] for m in range(M))
+
+        acc = lax.fori_loop(b0, b1, body, tuple(jnp.zeros((bn, bk), f32) for _ in range(M)))
+        for m in range(M):
+            o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(acc[m], axis=1).astype(o_ref.dtype)
+        return
+
+    def body(i, acc):  # fma1
+        wt = w_ref[pl.ds(n0, bn), pl.ds(i * bk, bk)].astype(f32)
+        return tuple(acc[m] + jnp.sum(wt * x_ref[m, pl.ds(i * bk, bk)].astype(f32)[None, :], axis=1)
+                     for m in range(M))
+
+    acc = lax.fori_loop(b0, b1, body, tuple(jnp.zeros((bn,), f32) for _ in range(M)))
+    for m in range(M):
+        o_ref[ks, m, pl.ds(n0, bn)] = acc[m].astype(o_ref.dtype)
+
+
+def nk_gemv(x, wt, *, interpret=False, **tuning):
+    """x [M, K] @ wt[N, K].T -> [M, N] (one split: x's dtype) or a SplitSum of f32 parts."""
+    t = dict(NK, **tuning)
+    M, K = x.shape
+    N = wt.shape[0]
+    bn, bk = dpt._largest_pow2_divisor(N, t["bn"]), dpt._largest_pow2_divisor(K, t["bk"])
+    tiles, nsteps = N // bn, K // bk
+    splits = max(1, min(nsteps, t["max_splits"], -(-t["per_sm"] * dpt.NUM_SMS // tiles)))
+    per = -(-nsteps // splits)
+    splits = -(-nsteps // per)
+    odt = x.dtype if splits == 1 else jnp.float32
+    kern = functools.partial(_nk_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, mode=t["mode"])
+    out = pl.pallas_call(
+        kern, grid=(tiles, splits), in_specs=[pl.BlockSpec(), pl.BlockSpec()], out_specs=pl.BlockSpec(),
+        out_shape=jax.ShapeDtypeStruct((splits, M, N), odt), interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(t["num_warps"], t["num_stages"]),
+        name=f"nk_gemv_{t['mode']}_n{bn}_k{bk}_s{splits}")(x, wt)
+    return out[0] if splits == 1 else SplitSum(out, x.dtype)
+
+
+def _parse(v):
+    kw = {}
+    for kv in v.split(":", 1)[1].split(",") if ":" in v else []:
+        k, val = kv.split("=")
+        kw[k] = int(val) if val.isdigit() else val
+    return kw
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--variant", action="append", default=None)
+    ap.add_argument("--M", default="1")
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--small", action="store_true", help="shapes / 64 in the interpreter (checks the script on CPU)")
+    args = ap.parse_args()
+    print(f"# jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    print("| shape | M | impl | check (rel err) | us per call | TB/s |\n|---|---|---|---|---|---|", flush=True)
+    for sname in args.shapes.split(","):
+        K, N = SHAPES[sname]
+        if args.small:
+            K, N = K // 64, N // 64
+        copies = args.copies if K * N * 2 * args.copies < (12 << 30) else 4
+        for M in (int(m) for m in args.M.split(",")):
+            key = jax.random.PRNGKey(K + N + M)
+            ws = [jax.random.normal(jax.random.fold_in(key, i), (K, N), jnp.bfloat16) * 0.02 for i in range(copies)]
+            wts = [jnp.asarray(w.T) for w in ws]  # materialized [N, K] copies
+            x = jax.random.normal(key, (M, K), jnp.bfloat16)
+            want = np.asarray(jnp.dot(x.astype(jnp.float32), ws[0].astype(jnp.float32),
+                                      precision=lax.Precision.HIGHEST))
+            for v in args.variant or VARIANTS:
+                name, kw = v.split(":", 1)[0], _parse(v)
+                if name == "xla_kn":
+                    f, wl = (lambda x, w: x @ w), ws
+                elif name == "xla_nk":
+                    f, wl = (lambda x, w: lax.dot_general(x, w, (((1,), (1,)), ((), ())))), wts
+                elif name == "pallas_kn":
+                    f, wl = (lambda kw: lambda x, w: dpt.gemv(x, w, split_out=True, interpret=args.small, **kw))(kw), ws
+                elif name == "nk":
+                    f, wl = (lambda kw: lambda x, w: nk_gemv(x, w, interpret=args.small, **kw))(kw), wts
+                else:
+                    raise SystemExit(f"unknown variant {v!r}")
+                try:
+                    err, ns = check_and_time(f, x, wl, want)
+                    tbs = K * N * 2 / (ns * 1e-9) / 1e12 if ns else float("nan")
+                    ok = "OK" if err < 1e-2 else "BAD"
+                    print(f"| {sname} {K}x{N} | {M} | {v} | {err:.1e} {ok} | {ns / 1e3:.1f} | {tbs:.2f} |", flush=True)
+                except Exception as e:  # report and go on
+                    print(f"| {sname} | {M} | {v} | FAILED {type(e).__name__}: {str(e)[:300]} | | |", flush=True)
+            del ws, wts
+
+
+if __name__ == "__main__":
+    main()
