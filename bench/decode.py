@@ -192,7 +192,7 @@ def main(argv=None):
                     help="the engine's int8_activations option (integer-dot decode matmuls of 4-bit weights)")
     ap.add_argument("--dense-gemv", default="off",
                     help="semicolon list of variants: off, auto (the engine's default), on, or on:KEY=V,... (the engine's dense_gemv option "
-                         "with kernels/dense_gemv/pallas_triton.TUNING keys, e.g. 'off;on;on:block_n=32,max_splits=4')")
+                         "with kernels/dense_gemv/pallas_triton.TUNING keys, e.g. 'off;on;on:block_n=32,max_splits=4', or max_n=N: auto's rule with N columns as its limit)")
     ap.add_argument("--fp8-kernel", default="",
                     help="semicolon list of keyword sets (K=V,...) of kernels/quant_matmul/pallas_fp8.qmatmul for "
                          "--quant fp8, e.g. 'per_sm=2;per_sm=4,num_stages=2' (empty: its defaults)")
@@ -284,7 +284,7 @@ def main(argv=None):
             from jaxserve.kernels.dense_gemv import pallas_triton as dpt
 
             kw = dict(kv.split("=") for kv in v[3:].split(",")) if v.startswith("on:") else {}
-            bad = set(kw) - set(dpt.TUNING)
+            bad = set(kw) - set(dpt.TUNING) - {"max_n"}  # max_n: the auto mode's width limit
             if bad:
                 raise SystemExit(f"--dense-gemv: unknown keys {sorted(bad)} (known: {sorted(dpt.TUNING)})")
             dgemvs.append({k: int(x) if x.isdigit() else x for k, x in kw.items()})

@@ -13,7 +13,7 @@
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
-#                                               gemv-layout moe-gen-24
+#                                               gemv-layout moe-gen-24 auto-width
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -80,6 +80,14 @@ for part in "$@"; do
     gemv-layout) timeout 420 python3 bench/gemv_layout.py 2>&1 | tail -100 ;;
     moe-gen-24) timeout 240 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                   --runs 3 --workloads 1x128x256,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -4 ;;
+    # The dense GEMV auto rule with a wider column limit (AUTO_MAX_N 2,048 today): Llama-1B's q/k/v (3,072)
+    # and gate/up (16,384), the 8B's o (4,096) and q/k/v (6,144)
+    auto-width) timeout 150 python3 bench/decode.py --random-weights --config llama-3.2-1b --attention pallas_triton \
+                  --contexts 128 --runs 3 --dense-gemv "auto;on:max_n=3072;on:max_n=16384" \
+                  --json "$OUT/decode.jsonl" 2>&1 | tail -5
+                timeout 240 python3 bench/decode.py --random-weights --config llama-3.1-8b --attention pallas_triton \
+                  --contexts 128,4096 --runs 3 --dense-gemv "auto;on:max_n=4096;on:max_n=6144" \
+                  --json "$OUT/decode.jsonl" 2>&1 | tail -8 ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \
