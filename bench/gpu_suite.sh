@@ -77,17 +77,14 @@ for part in "$@"; do
                  --json "$OUT/decode.jsonl" 2>&1 | grep -v "^  run" | grep -v "^| .* | 0.0[01]. |$" | tail -80 ;;
     # Session 28: one-row GEMVs by weight layout ([K, N] as held today vs the checkpoint's [N, K]), XLA's
     # and Pallas's; the MoE-24 model through generate with the session-27 defaults (routing kernel, dense GEMV)
-    gemv-layout) timeout 420 python3 bench/gemv_layout.py 2>&1 | tail -100 ;;
+    gemv-layout) timeout 360 python3 bench/gemv_layout.py --shapes qkv,o,down,gate_up,1b_o,1b_down 2>&1 | tail -130 ;;
     moe-gen-24) timeout 240 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                   --runs 3 --workloads 1x128x256,32x1024x128 --json "$OUT/throughput.jsonl" 2>&1 | grep -v "^  run" | tail -4 ;;
     # The dense GEMV auto rule with a wider column limit (AUTO_MAX_N 2,048 today): Llama-1B's q/k/v (3,072)
-    # and gate/up (16,384), the 8B's o (4,096) and q/k/v (6,144)
+    # and gate/up (16,384)
     auto-width) timeout 150 python3 bench/decode.py --random-weights --config llama-3.2-1b --attention pallas_triton \
                   --contexts 128 --runs 3 --dense-gemv "auto;on:max_n=3072;on:max_n=16384" \
-                  --json "$OUT/decode.jsonl" 2>&1 | tail -5
-                timeout 240 python3 bench/decode.py --random-weights --config llama-3.1-8b --attention pallas_triton \
-                  --contexts 128,4096 --runs 3 --dense-gemv "auto;on:max_n=4096;on:max_n=6144" \
-                  --json "$OUT/decode.jsonl" 2>&1 | tail -8 ;;
+                  --json "$OUT/decode.jsonl" 2>&1 | tail -5 ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \
