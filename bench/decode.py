@@ -75,7 +75,7 @@ def _read_bytes(w) -> int:
 
 def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_logprobs, seed,
                  fuse=None, batch=1, fused_rope_kv=None, qmatmul=None, int8_activations=False,
-                 dense_gemv=None, fused_decode_attention=None, kv_dtype=None):
+                 dense_gemv=None, fused_decode_attention=None, kv_dtype=None, kmajor=None):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.runner import ModelRunner
 
@@ -87,7 +87,8 @@ def build_runner(cfg, weights, attention, *, max_len, steps, block_size, max_log
                         fused_rope_kv=fused_rope_kv, int8_activations=int8_activations,
                         scan_layers=False,
                         dense_gemv=None if dense_gemv == "auto" else dense_gemv is not None,
-                        fused_decode_attention=fused_decode_attention, kv_dtype=kv_dtype)
+                        fused_decode_attention=fused_decode_attention, kv_dtype=kv_dtype,
+                        kmajor_weights=kmajor)
     runner = ModelRunner(cfg, ecfg, weights, num_blocks, attention=attention, qmatmul=qmatmul,
                          dense_gemv_tuning=dense_gemv if isinstance(dense_gemv, dict) else None)
     # Random K/V (never time on zeros): drawn on the device, in the cache dtype.
@@ -164,6 +165,9 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true", help="(the only weight source here)")
     ap.add_argument("--attention", default="reference,pallas_triton")
     ap.add_argument("--contexts", default="0,4096,32768")
+    ap.add_argument("--kmajor", default="auto",
+                    help="comma list of auto/on/off: EngineConfig.kmajor_weights (the small matmul weights held "
+                         "[N, K]; auto: on with a GPU), each a variant")
     ap.add_argument("--fused-rope-kv", default="auto",
                     help="comma list of auto/on/off: the fused RoPE + K/V write kernel, one variant each "
                          "(auto: the engine's default, on with one GPU)")
@@ -305,13 +309,19 @@ def main(argv=None):
     routes = args.moe_route.split(",")
     if set(routes) - {"on", "off"}:
         raise SystemExit(f"--moe-route: each of {routes} must be on or off")
-    variants = [v + (rk, mr) for v in variants for rk in rope_kvs for mr in routes]
+    kmajors = args.kmajor.split(",")
+    if set(kmajors) - set(onoff):
+        raise SystemExit(f"--kmajor: each of {kmajors} must be auto, on or off")
+    on_gpu = jax.devices()[0].platform != "cpu"
+    kmajors = [onoff[k] if k != "auto" else on_gpu for k in kmajors]  # resolved here: see kweights below
+    variants = [v + (rk, mr, km) for v in variants for rk in rope_kvs for mr in routes for km in kmajors]
+    kweights = (None, None)  # (the weights, their KMajor copy): made once, every kmajor variant shares it
     from jaxserve.models import moe
 
     route_default = moe.ROUTE_KERNEL_MAX_TOKENS
     fused = False
     base_qmatmul = qmatmul
-    for quant, spec, fuse, dgemv, f8kw, nw, rope_kv, moe_route in variants:
+    for quant, spec, fuse, dgemv, f8kw, nw, rope_kv, moe_route, km in variants:
         # read when the program traces; part of the program store's key
         moe.ROUTE_KERNEL_MAX_TOKENS = route_default if moe_route == "on" else 0
         label, fn = parse_impl(spec)
@@ -324,6 +334,7 @@ def main(argv=None):
             label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
         label += (" fused" if fuse else "") + (f" rope_kv={rope_kv}" if rope_kv != "auto" else "")
         label += " route=off" if moe_route == "off" else ""
+        label += " kmajor" if km else ""
         label += f" fused_attn={args.fused_decode_attention}" if args.fused_decode_attention != "auto" else ""
         label += f" kv={args.kv_dtype}" if args.kv_dtype else ""
         if dgemv == "auto":
@@ -355,12 +366,19 @@ def main(argv=None):
         elif fuse and not fused:  # unfused variants ran first: their arrays can go
             weights, fused = tf.fuse_projections(weights, free=True), True
         B = args.batch
-        runner = build_runner(cfg, {k: v for k, v in weights.items() if k != "_quant"}, fn, max_len=max_len,
+        rweights = {k: v for k, v in weights.items() if k != "_quant"}
+        if km:  # the runner would convert (and free) the shared arrays: a converted copy, made once
+            from jaxserve.models import kmajor
+
+            if kweights[0] is not weights:
+                kweights = (weights, kmajor.to_kmajor(rweights, free=False))
+            rweights = kweights[1]
+        runner = build_runner(cfg, rweights, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=onoff[rope_kv],
                               qmatmul=qmatmul, int8_activations=args.int8_activations, dense_gemv=dgemv,
                               fused_decode_attention=onoff[args.fused_decode_attention],
-                              kv_dtype=args.kv_dtype)
+                              kv_dtype=args.kv_dtype, kmajor=km)
         if args.norm_impl != "default":
             from jaxserve.kernels import rms_norm
 

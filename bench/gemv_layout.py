@@ -36,7 +36,8 @@ from jaxserve.kernels.split_sum import SplitSum  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672),
           "lm_head": (4096, 128256), "1b_qkv": (2048, 3072), "1b_o": (2048, 2048), "1b_gate_up": (2048, 16384),
-          "1b_down": (8192, 2048)}
+          "1b_down": (8192, 2048), "moe_o": (4096, 2048), "moe_router": (2048, 128), "smol_o": (576, 576),
+          "smol_gate_up": (576, 3072)}
 VARIANTS = ["xla_kn", "xla_nk", "pallas_kn",
             "nk:mode=dot,bn=64,bk=128", "nk:mode=dot,bn=128,bk=128", "nk:mode=dot,bn=32,bk=256,per_sm=4",
             "nk:mode=fma1,bn=16,bk=512", "nk:mode=fma1,bn=8,bk=512,per_sm=4",

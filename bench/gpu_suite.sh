@@ -13,7 +13,7 @@
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
-#                                               gemv-layout moe-gen-24 auto-width
+#                                               gemv-layout moe-gen-24 auto-width kmajor
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -85,6 +85,24 @@ for part in "$@"; do
     auto-width) timeout 150 python3 bench/decode.py --random-weights --config llama-3.2-1b --attention pallas_triton \
                   --contexts 128 --runs 3 --dense-gemv "auto;on:max_n=3072;on:max_n=16384" \
                   --json "$OUT/decode.jsonl" 2>&1 | tail -5 ;;
+    # Session 28: the small matmul weights held [N, K] (models/kmajor; off = the session-27 default, the
+    # Pallas GEMV for <= 2,048 columns): per matmul at 1 and 32 rows, then bs1 / 32 rows / prefill end to end
+    kmajor) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -p no:cacheprovider \
+              tests/test_kmajor.py -k "not engine" 2>&1 | tail -2
+            timeout 120 python3 bench/gemv_layout.py --shapes 1b_qkv,1b_o,moe_o,moe_router,smol_o,smol_gate_up \
+              --M 1,32 --variant xla_kn --variant xla_nk --variant pallas_kn 2>&1 | grep -v FAILED | tail -40
+            for c in llama-3.2-1b smollm2-135m; do
+              timeout 80 python3 bench/decode.py --random-weights --config $c --attention pallas_triton \
+                --contexts 128 --runs 3 --kmajor off,on --json "$OUT/decode.jsonl" 2>&1 | tail -2
+            done
+            timeout 90 python3 bench/decode.py --random-weights --config llama-3.2-1b --attention pallas_triton \
+              --batch 32 --contexts 1024 --runs 2 --kmajor off,on --json "$OUT/decode.jsonl" 2>&1 | tail -2
+            timeout 150 python3 bench/decode.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
+              --attention pallas_triton --contexts 128 --runs 3 --kmajor off,on --json "$OUT/decode.jsonl" 2>&1 | tail -2
+            for k in off on; do
+              timeout 75 python3 bench/throughput.py --random-weights --config llama-3.2-1b --runs 3 \
+                --workloads 1x2048x1,1x128x256 --kmajor-weights $k --json "$OUT/throughput.jsonl" 2>&1 | tail -2
+            done ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \

@@ -344,6 +344,10 @@ class EngineConfig:
     # partials to the RoPE/norm kernels and fuse the MLP activation into the down matmul. None: on one
     # GPU, only matmuls of <= 2 rows and at most dense_gemv.AUTO_MAX_N output columns (XLA's are slow there).
     dense_gemv: bool | None = None
+    # The small dense matmul weights (those XLA strength-reduces: operands < 10M elements, models/kmajor)
+    # held [N, K] so that XLA's reduction reads each weight once. None: on with one GPU (no mesh); there
+    # the dense GEMV's auto mode is then off (XLA over [N, K] is faster: bench/RESULTS.md session 28).
+    kmajor_weights: bool | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
     # Speculative decoding (engine/speculative.py; vLLM's speculative_config {"method": "ngram",
     # "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}): sequences without a grammar

@@ -407,7 +407,7 @@ class LLMEngine:
         if isinstance(engine_config, dict):
             engine_config = EngineConfig.from_dict(engine_config)
         ecfg = engine_config or EngineConfig()
-        for opt in ("int8_activations", "dense_gemv", "speculative_model"):  # before the (long) load, not after it
+        for opt in ("int8_activations", "dense_gemv", "kmajor_weights", "speculative_model"):  # before the (long) load, not after it
             if getattr(ecfg, opt) and tp > 1:
                 raise ValueError(f"{opt} needs a single device per model (tp = 1)")
         setup_compilation_cache(ecfg.compile_cache_dir)

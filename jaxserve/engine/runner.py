@@ -225,7 +225,15 @@ class ModelRunner:
             self.weights = weights = pallas_fp8.for_device(weights, ecfg.dtype, free=True)
         if ecfg.dense_gemv and mesh is not None:
             raise ValueError("dense_gemv needs a single device (no mesh)")
-        if ecfg.dense_gemv or (ecfg.dense_gemv is None and mesh is None and platform != "cpu"):
+        if ecfg.kmajor_weights and mesh is not None:
+            raise ValueError("kmajor_weights needs a single device (no mesh)")
+        kmajor_on = ecfg.kmajor_weights if ecfg.kmajor_weights is not None else (mesh is None and platform != "cpu")
+        if kmajor_on:
+            # the small matmul weights held [N, K] (models/kmajor); each source freed as it goes
+            from jaxserve.models import kmajor
+
+            self.weights = weights = kmajor.to_kmajor(weights, free=True)
+        if ecfg.dense_gemv or (ecfg.dense_gemv is None and mesh is None and platform != "cpu" and not kmajor_on):
             from jaxserve.kernels import dense_gemv
 
             # dense_gemv_tuning: the kernel's keyword arguments (benchmarks: bench/decode.py --dense-gemv).

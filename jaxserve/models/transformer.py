@@ -26,8 +26,10 @@ from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
 from jaxserve.kernels.rms_norm.reference import add_rms_norm as _add_rms_norm_ref
 from jaxserve.kernels.rms_norm.reference import rms_norm  # noqa: F401  (the model's norm, re-exported)
 from jaxserve.kernels.rope_kv.reference import apply_rope
+from jaxserve.models import kmajor
 from jaxserve.models import lora as lora_mod
 from jaxserve.models import moe
+from jaxserve.models.kmajor import KMajor
 from jaxserve.models.rope import rope_tables
 from jaxserve.quant.qweight import QWeight
 
@@ -41,6 +43,8 @@ def linear(x, w, qmm: Callable | None = None, split_out: bool = False):
         return cpu_native.qmatmul(x, w)
     if isinstance(w, cpu_native.LayerOf):  # one layer of a stacked CpuQWeight, read in place
         return cpu_native.qmatmul(x, w.weight, layer=w.index)
+    if isinstance(w, KMajor):  # held [N, K] (models/kmajor: XLA's reduction reads it once)
+        return kmajor.matmul(x, w)
     if getattr(qmm, "takes_dense", False):  # the runner's decode matmul (kernels/dense_gemv.engine_matmul)
         return qmm(x, w, split_out=split_out)
     if isinstance(w, QWeight):

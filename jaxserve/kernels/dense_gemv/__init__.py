@@ -73,8 +73,11 @@ def engine_matmul(packed=None, *, max_m: int = ENGINE_MAX_M, max_n: int | None =
 def _engine_mm(x, w, *, split_out: bool = False, act: str | None = None, packed=None, max_m: int,
                max_n: int | None = None, tuning):
     from jaxserve.kernels.dense_gemv import pallas_triton
+    from jaxserve.models import kmajor
     from jaxserve.quant.qweight import QWeight
 
+    if isinstance(w, kmajor.KMajor):  # XLA's reduction over [N, K] beats this kernel (models/kmajor)
+        return kmajor.matmul(act_mul(act, x) if act is not None else x, w)
     if isinstance(w, QWeight):
         from jaxserve.kernels import quant_matmul
 

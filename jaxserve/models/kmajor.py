@@ -1,0 +1,102 @@
+"""Dense matmul weights held [N, K] (K contiguous, the checkpoints' own [out, in] order) for the
+matmuls that XLA computes as a multiply + reduce on a GPU.
+
+XLA's GPU simplifier rewrites every dot whose two operand matrices together hold fewer than 10M
+elements into a multiply and a reduction over K (`ShouldStrengthReduceDotToReduce` with
+`IsMatrixMultiplicationTooSmallForRewriting(dot, 10000000)`), whatever the rows. Over a [K, N] weight
+that reduction runs down the columns, and for a decode row XLA writes the whole x * W product out and
+reads it back (bench/RESULTS.md session 27). Over [N, K] it is a row reduction that reads each weight
+once. One row, H100 (session 28, `bench/gemv_layout.py`): a 2,048 x 2,048 weight 17.2 us held [K, N],
+**3.1 us held [N, K]**, 5.4 us in the Pallas dense GEMV. Larger matmuls keep [K, N]: there XLA's GEMM
+is 5-9% faster than over [N, K] (same table).
+
+`KMajor(wt)` is the weight as a pytree node: `.shape` is the logical [..., K, N], `.wt` the array
+[..., N, K]. `transformer.linear` (and the MoE router) compute x @ W as a dot_general over K of both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# XLA's threshold (elements of the two operand matrices) and the rows a decode step may add to it.
+XLA_SMALL_DOT = 10_000_000
+DECODE_ROWS = 64
+# The dense 2-D weights of a decoder layer that go through transformer.linear or the MoE router.
+NAMES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down", "router", "shared_gate", "shared_up",
+         "shared_down")
+
+
+@jax.tree_util.register_pytree_node_class
+class KMajor:
+    """A dense weight W [..., K, N] held transposed, wt = W^T [..., N, K]."""
+
+    def __init__(self, wt):
+        self.wt = wt
+
+    def tree_flatten(self):
+        return (self.wt,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = tuple(self.wt.shape)
+        return (*s[:-2], s[-1], s[-2])
+
+    @property
+    def ndim(self) -> int:
+        return self.wt.ndim
+
+    @property
+    def dtype(self):
+        return self.wt.dtype
+
+    def astype(self, dtype) -> "KMajor":
+        return KMajor(self.wt.astype(dtype))
+
+    def __getitem__(self, i) -> "KMajor":
+        """Index the leading (stacked-layer) dims."""
+        return KMajor(self.wt[i])
+
+    def dense(self):
+        """W [..., K, N] (tests, conversions)."""
+        return jnp.swapaxes(self.wt, -1, -2)
+
+
+def matmul(x, w: KMajor):
+    """x [..., K] @ W -> [..., N]: a dot over the last axis of both x and w.wt."""
+    if w.wt.ndim != 2:
+        raise ValueError(f"KMajor matmul takes one layer's weight, not {w.wt.shape}")
+    return lax.dot_general(x, w.wt, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def is_small(K: int, N: int, rows: int = DECODE_ROWS) -> bool:
+    """Whether XLA strength-reduces a [rows, K] x [K, N] dot (then [N, K] is the faster layout)."""
+    return rows * K + K * N < XLA_SMALL_DOT
+
+
+def to_kmajor(weights: dict, free: bool = False) -> dict:
+    """The weights with each small dense decoder-layer matmul weight (NAMES, `is_small`) as a KMajor;
+    stacked ([L, K, N]) or per-layer lists alike; other leaves untouched. free: delete each source
+    array once transposed (the runner's copy), so the peak is one extra weight."""
+    def convert(layer: dict) -> dict:
+        layer = dict(layer)
+        for name in NAMES:
+            w = layer.get(name)
+            if not isinstance(w, jax.Array) or w.ndim not in (2, 3) or not jnp.issubdtype(w.dtype, jnp.floating):
+                continue
+            K, N = w.shape[-2:]
+            if not is_small(K, N):
+                continue
+            layer[name] = KMajor(jnp.swapaxes(w, -1, -2))
+            if free:
+                w.delete()
+        return layer
+
+    layers = weights["layers"]
+    new = [convert(lw) for lw in layers] if isinstance(layers, list) else convert(layers)
+    return dict(weights, layers=new)

@@ -1,0 +1,152 @@
+"""models/kmajor: the small dense matmul weights held [N, K]. The weight type against x @ W, which weights
+the conversion takes, and the whole engine with it (dense, tied/untied LM head, MoE router and shared
+expert, with the dense GEMV on): the same tokens and logprobs as the [K, N] layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models import kmajor
+from jaxserve.models.kmajor import KMajor
+
+
+@pytest.fixture
+def highest_precision():
+    with jax.default_matmul_precision("highest"):  # on a GPU an f32 dot would otherwise be TF32
+        yield
+
+
+def test_matmul_is_x_at_w(highest_precision):
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((48, 80)), jnp.float32)
+    kw = KMajor(jnp.asarray(np.asarray(w).T))
+    assert kw.shape == (48, 80) and kw.ndim == 2 and kw.dtype == jnp.float32
+    for xshape in [(1, 48), (5, 48), (2, 3, 48)]:
+        x = jnp.asarray(rng.standard_normal(xshape), jnp.float32)
+        got = jax.jit(kmajor.matmul)(x, kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(kw.dense()), np.asarray(w))
+    # a pytree node: through jit and tree maps, cast, indexed by layer when stacked
+    leaves, tree = jax.tree.flatten(kw)
+    assert len(leaves) == 1 and isinstance(jax.tree.unflatten(tree, leaves), KMajor)
+    assert kw.astype(jnp.bfloat16).dtype == jnp.bfloat16
+    stacked = KMajor(jnp.stack([kw.wt, 2 * kw.wt]))
+    assert stacked.shape == (2, 48, 80) and stacked[1].shape == (48, 80)
+    np.testing.assert_array_equal(np.asarray(stacked[1].wt), 2 * np.asarray(kw.wt))
+    with pytest.raises(ValueError, match="one layer"):
+        kmajor.matmul(x, stacked)
+
+
+def test_small_is_xlas_strength_reduction_rule():
+    """The shapes measured in bench/RESULTS.md sessions 27-28: reduced (2,048 x 2,048, the MoE model's
+    4,096 x 2,048 o projection and 2,048 x 128 router), GEMMs (4,096 x 4,096, 8,192 x 2,048)."""
+    assert kmajor.is_small(2048, 2048) and kmajor.is_small(4096, 2048) and kmajor.is_small(2048, 128)
+    assert not kmajor.is_small(4096, 4096) and not kmajor.is_small(8192, 2048)
+    assert not kmajor.is_small(4096, 6144) and not kmajor.is_small(576, 49152)  # a q/k/v; a vocabulary
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_to_kmajor_takes_the_small_dense_matmul_weights(monkeypatch, stacked):
+    from jaxserve.quant.qweight import QWeight
+
+    monkeypatch.setattr(kmajor, "XLA_SMALL_DOT", 64 * 16 + 16 * 40 + 1)  # K=16: N <= 40 is small
+    rng = np.random.default_rng(1)
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    layer = {"qkv": arr(16, 40), "o": arr(16, 16), "gate_up": arr(16, 64), "attn_norm": arr(16),
+             "router": arr(16, 4), "experts_gate": arr(4, 16, 8), "q_norm": arr(16, 16)}
+    if stacked:
+        layers = {k: jnp.stack([v, v + 1]) for k, v in layer.items()}
+    else:
+        layers = [dict(layer), {k: v + 1 for k, v in layer.items()}]
+    qw = object.__new__(QWeight)
+    weights = {"embed": arr(50, 16), "lm_head": arr(16, 8), "layers": layers, "packed": qw}
+    out = kmajor.to_kmajor(weights, free=False)
+    one = out["layers"] if stacked else out["layers"][1]
+    for name in ("qkv", "o", "router"):  # small, named
+        assert isinstance(one[name], KMajor), name
+        want = (layers[name] if stacked else layers[1][name])
+        np.testing.assert_array_equal(np.asarray(one[name].dense()), np.asarray(want))
+    assert not isinstance(one["gate_up"], KMajor)  # 16 x 64: over the limit
+    assert not isinstance(one["q_norm"], KMajor)  # not a matmul weight (not in NAMES)
+    assert out["lm_head"] is weights["lm_head"] and out["packed"] is qw and out["embed"] is weights["embed"]
+    assert one["experts_gate"].ndim == 4 if stacked else one["experts_gate"].ndim == 3
+
+
+def test_to_kmajor_frees_what_it_converts():
+    w = jnp.ones((8, 8), jnp.float32)
+    big = jnp.ones((8, 8), jnp.float32)
+    out = kmajor.to_kmajor({"layers": [{"o": w, "attn_norm": big}]}, free=True)
+    assert w.is_deleted() and not big.is_deleted()
+    assert isinstance(out["layers"][0]["o"], KMajor)
+
+
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
+                                          ("qwen2_moe", {})])
+def test_engine_with_kmajor_weights_generates_the_same(tmp_path, family, extra):
+    """EngineConfig.kmajor_weights through the whole engine (prefill chunks, the decode loop, the sampler):
+    the same greedy tokens and logprobs as the weights held [K, N]. qwen2_moe: its router and shared
+    expert go [N, K] too (its experts are 3-D: never)."""
+    from hf_tiny import make_tiny_model
+    from jaxserve import LLM, SamplingParams
+    from tiny_tokenizer import add_byte_tokenizer
+
+    d = add_byte_tokenizer(make_tiny_model(family, tmp_path, **extra))
+    prompts = [[5 + i for i in range(12)], [200, 100, 50]]
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    res = []
+    for on in (False, True):
+        llm = LLM(str(d), max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4,
+                  num_blocks=24, scan_layers=on, dtype="float32", kmajor_weights=on,
+                  compile_cache_dir=str(tmp_path / f"cache{on}"))
+        layers = llm.engine.runner.weights["layers"]
+        layer0 = layers[0] if isinstance(layers, list) else layers
+        names = {n for n, v in layer0.items() if isinstance(v, KMajor)}
+        if on:
+            assert {"qkv", "o"} <= names and ("router" in names) == (family == "qwen2_moe")
+            assert ("shared_down" in names) == (family == "qwen2_moe")
+        else:
+            assert not names
+        outs = llm.generate(prompts, p)
+        res.append(([o.outputs[0].token_ids for o in outs], [[lp for lp, _ in o.outputs[0].logprobs] for o in outs]))
+    assert res[0][0] == res[1][0]
+    np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
+
+
+def test_engine_with_kmajor_weights_and_the_dense_gemv(tmp_path, monkeypatch):
+    """Both options on (the dense GEMV forced on): the GEMV's engine matmul hands the [N, K] weights to
+    XLA (the down projection with its activation too), the same tokens as neither."""
+    from hf_tiny import make_tiny_model
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.kernels.dense_gemv import pallas_triton
+    from tiny_tokenizer import add_byte_tokenizer
+
+    calls = []
+    real = pallas_triton.gemv
+    monkeypatch.setattr(pallas_triton, "gemv", lambda *a, **k: calls.append(k.get("act")) or real(*a, **k))
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    prompts = [[5 + i for i in range(12)], [200, 100, 50]]
+    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    res = []
+    for on in (False, True):
+        llm = LLM(str(d), max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4,
+                  num_blocks=24, scan_layers=False, dtype="float32", dense_gemv=on, kmajor_weights=on,
+                  compile_cache_dir=str(tmp_path / f"cache{on}"))
+        outs = llm.generate(prompts, p)
+        res.append(([o.outputs[0].token_ids for o in outs], [[lp for lp, _ in o.outputs[0].logprobs] for o in outs]))
+    assert calls == []  # every dense matmul weight of the tiny model is small: [N, K], XLA's
+    assert res[0][0] == res[1][0]
+    np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
+
+
+def test_option_parsing_and_errors():
+    from jaxserve.cli import build_parser, engine_config_from_args
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    parse = lambda *a: engine_config_from_args(build_parser().parse_args(["run", *a]))  # noqa: E731
+    assert parse().kmajor_weights is None
+    assert parse("--kmajor-weights", "on").kmajor_weights is True
+    assert parse("--kmajor-weights", "off").kmajor_weights is False
+    with pytest.raises(ValueError, match="kmajor_weights needs a single device"):
+        LLMEngine("nonexistent/model", engine_config=EngineConfig(kmajor_weights=True), tp=2)
