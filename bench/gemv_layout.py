@@ -4,6 +4,7 @@ shapes, device time (profiler trace, 8 distinct weights per call so that L2 hold
   xla_kn     x @ w, w [K, N] (N contiguous: jaxserve's layout today)
   xla_nk     x @ wt.T, wt [N, K] (K contiguous: the checkpoint's own [out, in] layout)
   pallas_kn  kernels/dense_gemv (the engine's Pallas GEMV, its defaults; split-K parts left to a consumer)
+  red_nk     the same as an explicit f32 multiply + reduction over K (XLA's row reduction, for any size)
   nk:...     a Pallas GEMV over wt [N, K] (below): each program reads bn whole K-contiguous rows of wt
 
 The nk kernel (prototype, here until it earns a place in kernels/dense_gemv): grid (N / bn, K splits);
@@ -203,6 +204,9 @@ def main():
                     f, wl = (lambda pre: lambda x, w: pre(x) @ w)(pre), ws
                 elif name == "xla_nk":
                     f, wl = (lambda x, w: lax.dot_general(x, w, (((1,), (1,)), ((), ())))), wts
+                elif name == "red_nk":  # the dot written as XLA's own strength reduction: f32 multiply + row reduce
+                    f, wl = (lambda x, w: jnp.sum(x[:, None, :].astype(jnp.float32) * w[None].astype(jnp.float32),
+                                                  axis=-1).astype(x.dtype)), wts
                 elif name == "pallas_kn":
                     f, wl = (lambda kw: lambda x, w: dpt.gemv(x, w, split_out=True, interpret=args.small, **kw))(kw), ws
                 elif name == "nk":

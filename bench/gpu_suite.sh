@@ -13,7 +13,7 @@
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
-#                                               gemv-layout moe-gen-24 auto-width kmajor
+#                                               gemv-layout moe-gen-24 auto-width kmajor red-nk
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -103,6 +103,9 @@ for part in "$@"; do
               timeout 75 python3 bench/throughput.py --random-weights --config llama-3.2-1b --runs 3 \
                 --workloads 1x2048x1,1x128x256 --kmajor-weights $k --json "$OUT/throughput.jsonl" 2>&1 | tail -2
             done ;;
+    # The 8B's one-row matmuls written as XLA's row reduction over [N, K] (what it does below 10M elements)
+    red-nk) timeout 150 python3 bench/gemv_layout.py --shapes qkv,o,down,gate_up,lm_head --M 1,2 \
+              --variant xla_kn --variant xla_nk --variant red_nk 2>&1 | tail -32 ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \
