@@ -166,8 +166,8 @@ def main(argv=None):
     ap.add_argument("--attention", default="reference,pallas_triton")
     ap.add_argument("--contexts", default="0,4096,32768")
     ap.add_argument("--kmajor", default="auto",
-                    help="comma list of auto/on/off: EngineConfig.kmajor_weights (the small matmul weights held "
-                         "[N, K]; auto: on with a GPU), each a variant")
+                    help="comma list of auto/on/off/all: EngineConfig.kmajor_weights (the small matmul weights held "
+                         "[N, K]; auto: on with a GPU; all: every dense layer weight), each a variant")
     ap.add_argument("--fused-rope-kv", default="auto",
                     help="comma list of auto/on/off: the fused RoPE + K/V write kernel, one variant each "
                          "(auto: the engine's default, on with one GPU)")
@@ -310,12 +310,12 @@ def main(argv=None):
     if set(routes) - {"on", "off"}:
         raise SystemExit(f"--moe-route: each of {routes} must be on or off")
     kmajors = args.kmajor.split(",")
-    if set(kmajors) - set(onoff):
-        raise SystemExit(f"--kmajor: each of {kmajors} must be auto, on or off")
+    if set(kmajors) - set(onoff) - {"all"}:
+        raise SystemExit(f"--kmajor: each of {kmajors} must be auto, on, off or all")
     on_gpu = jax.devices()[0].platform != "cpu"
-    kmajors = [onoff[k] if k != "auto" else on_gpu for k in kmajors]  # resolved here: see kweights below
+    kmajors = [{"auto": on_gpu, "all": "all"}.get(k, onoff[k]) for k in kmajors]  # resolved here: see kweights
     variants = [v + (rk, mr, km) for v in variants for rk in rope_kvs for mr in routes for km in kmajors]
-    kweights = (None, None)  # (the weights, their KMajor copy): made once, every kmajor variant shares it
+    kweights = {}  # (kmajor mode) -> (the weights, their KMajor copy): made once, every such variant shares it
     from jaxserve.models import moe
 
     route_default = moe.ROUTE_KERNEL_MAX_TOKENS
@@ -334,7 +334,7 @@ def main(argv=None):
             label += " fp8k" + "".join(f",{k}={v}" for k, v in sorted(f8kw.items()))
         label += (" fused" if fuse else "") + (f" rope_kv={rope_kv}" if rope_kv != "auto" else "")
         label += " route=off" if moe_route == "off" else ""
-        label += " kmajor" if km else ""
+        label += (" kmajor=all" if km == "all" else " kmajor") if km else ""
         label += f" fused_attn={args.fused_decode_attention}" if args.fused_decode_attention != "auto" else ""
         label += f" kv={args.kv_dtype}" if args.kv_dtype else ""
         if dgemv == "auto":
@@ -370,9 +370,9 @@ def main(argv=None):
         if km:  # the runner would convert (and free) the shared arrays: a converted copy, made once
             from jaxserve.models import kmajor
 
-            if kweights[0] is not weights:
-                kweights = (weights, kmajor.to_kmajor(rweights, free=False))
-            rweights = kweights[1]
+            if kweights.get(km, (None,))[0] is not weights:
+                kweights[km] = (weights, kmajor.to_kmajor(rweights, free=False, every=km == "all"))
+            rweights = kweights[km][1]
         runner = build_runner(cfg, rweights, fn, max_len=max_len,
                               steps=args.steps, block_size=args.block_size, max_logprobs=args.max_logprobs,
                               seed=args.seed, fuse=fuse, batch=B, fused_rope_kv=onoff[rope_kv],

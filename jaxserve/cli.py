@@ -110,10 +110,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps' dense q/k/v, o and down matmuls as Pallas GEMVs that pass split-K "
                         "partials to the next kernel and fuse the MLP activation (one GPU; auto: only matmuls of <= 2 "
                         "rows and <= 2,048 output columns, which XLA runs as a multiply + reduction)")
-    e.add_argument("--kmajor-weights", choices=["auto", "on", "off"], default="auto",
+    e.add_argument("--kmajor-weights", choices=["auto", "on", "off", "all"], default="auto",
                    help="hold the small dense matmul weights (< 10M elements with their input, which XLA runs "
                         "as a multiply + reduce) [out, in] so that the reduction reads each weight once "
-                        "(one device; auto: on with one GPU)")
+                        "(one device; auto: on with one GPU; all: every dense layer weight, one-row decode matmuls as "
+                        "XLA's row reduction)")
     e.add_argument("--seed", type=int, default=None)
 
 
@@ -192,7 +193,7 @@ def engine_config_from_args(args):
     if getattr(args, "dense_gemv", "auto") != "auto":
         kw["dense_gemv"] = args.dense_gemv == "on"
     if getattr(args, "kmajor_weights", "auto") != "auto":
-        kw["kmajor_weights"] = args.kmajor_weights == "on"
+        kw["kmajor_weights"] = "all" if args.kmajor_weights == "all" else args.kmajor_weights == "on"
     if getattr(args, "speculative_config", None) is not None:
         from jaxserve.config import speculative_fields
 

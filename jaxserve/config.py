@@ -347,7 +347,8 @@ class EngineConfig:
     # The small dense matmul weights (those XLA strength-reduces: operands < 10M elements, models/kmajor)
     # held [N, K] so that XLA's reduction reads each weight once. None: on with one GPU (no mesh); there
     # the dense GEMV's auto mode is then off (XLA over [N, K] is faster: bench/RESULTS.md session 28).
-    kmajor_weights: bool | None = None
+    # "all": every dense layer matmul weight [N, K], one-row decode matmuls as XLA's row reduction.
+    kmajor_weights: bool | str | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
     # Speculative decoding (engine/speculative.py; vLLM's speculative_config {"method": "ngram",
     # "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}): sequences without a grammar
@@ -399,6 +400,8 @@ class EngineConfig:
                 raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.isq is not None and self.isq not in ISQ_FORMATS:
             raise ConfigError(f"isq must be one of {', '.join(ISQ_FORMATS)}, got {self.isq!r}")
+        if self.kmajor_weights not in (None, True, False, "all"):
+            raise ConfigError(f"kmajor_weights must be true, false, 'all' or unset, got {self.kmajor_weights!r}")
         if self.int8_activations and self.packed_weights is False:
             raise ConfigError("int8_activations needs packed weights (packed_weights is off)")
         if self.min_token_bucket < 1 or self.min_token_bucket & (self.min_token_bucket - 1):

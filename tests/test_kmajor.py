@@ -38,6 +38,24 @@ def test_matmul_is_x_at_w(highest_precision):
         kmajor.matmul(x, stacked)
 
 
+def test_one_row_above_the_threshold_is_a_row_reduction(monkeypatch, highest_precision):
+    """Weights above XLA's threshold: one row goes through the explicit f32 multiply + reduction, more
+    rows through the dot; both are x @ W (bf16 weights: to bf16 rounding)."""
+    monkeypatch.setattr(kmajor, "XLA_SMALL_DOT", 1)  # every weight counts as large
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
+    kw = KMajor(jnp.asarray(w.T))
+    for xshape in [(1, 64), (1, 1, 64), (3, 64)]:
+        x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+        want = x.astype(jnp.float32) @ w.astype(jnp.float32)
+        got = jax.jit(kmajor.matmul)(x, kw)
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+    jaxpr = str(jax.make_jaxpr(kmajor.matmul)(jnp.ones((1, 64), jnp.bfloat16), kw))
+    assert "reduce_sum" in jaxpr and "dot_general" not in jaxpr
+    assert "dot_general" in str(jax.make_jaxpr(kmajor.matmul)(jnp.ones((2, 64), jnp.bfloat16), kw))
+
+
 def test_small_is_xlas_strength_reduction_rule():
     """The shapes measured in bench/RESULTS.md sessions 27-28: reduced (2,048 x 2,048, the MoE model's
     4,096 x 2,048 o projection and 2,048 x 128 router), GEMMs (4,096 x 4,096, 8,192 x 2,048)."""
@@ -113,6 +131,30 @@ def test_engine_with_kmajor_weights_generates_the_same(tmp_path, family, extra):
     np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
 
 
+def test_engine_with_every_weight_kmajor(tmp_path, monkeypatch):
+    """kmajor_weights='all': every dense layer weight [N, K] (not only the small ones), one-sequence
+    decode steps through the row reduction (the tiny model's weights counted as large): the same tokens
+    and logprobs."""
+    monkeypatch.setattr(kmajor, "XLA_SMALL_DOT", 1)
+    from hf_tiny import make_tiny_model
+    from jaxserve import LLM, SamplingParams
+    from tiny_tokenizer import add_byte_tokenizer
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    res = []
+    for mode in (False, "all"):
+        llm = LLM(str(d), max_model_len=32, max_num_seqs=1, prefill_chunk_size=16, block_size=4,
+                  num_blocks=24, scan_layers=False, dtype="float32", kmajor_weights=mode,
+                  compile_cache_dir=str(tmp_path / f"cache{mode}"))
+        layer0 = llm.engine.runner.weights["layers"][0]
+        assert all(isinstance(layer0[n], KMajor) for n in ("qkv", "o", "gate_up", "down")) == (mode == "all")
+        out = llm.generate([[5 + i for i in range(12)]], p)[0].outputs[0]
+        res.append((out.token_ids, [lp for lp, _ in out.logprobs]))
+    assert res[0][0] == res[1][0]
+    np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
+
+
 def test_engine_with_kmajor_weights_and_the_dense_gemv(tmp_path, monkeypatch):
     """Both options on (the dense GEMV forced on): the GEMV's engine matmul hands the [N, K] weights to
     XLA (the down projection with its activation too), the same tokens as neither."""
@@ -148,5 +190,8 @@ def test_option_parsing_and_errors():
     assert parse().kmajor_weights is None
     assert parse("--kmajor-weights", "on").kmajor_weights is True
     assert parse("--kmajor-weights", "off").kmajor_weights is False
+    assert parse("--kmajor-weights", "all").kmajor_weights == "all"
+    with pytest.raises(ValueError, match="kmajor_weights must be"):
+        EngineConfig(kmajor_weights="some")
     with pytest.raises(ValueError, match="kmajor_weights needs a single device"):
         LLMEngine("nonexistent/model", engine_config=EngineConfig(kmajor_weights=True), tp=2)

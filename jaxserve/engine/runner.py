@@ -232,7 +232,7 @@ class ModelRunner:
             # the small matmul weights held [N, K] (models/kmajor); each source freed as it goes
             from jaxserve.models import kmajor
 
-            self.weights = weights = kmajor.to_kmajor(weights, free=True)
+            self.weights = weights = kmajor.to_kmajor(weights, free=True, every=kmajor_on == "all")
         if ecfg.dense_gemv or (ecfg.dense_gemv is None and mesh is None and platform != "cpu" and not kmajor_on):
             from jaxserve.kernels import dense_gemv
 
