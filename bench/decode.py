@@ -313,7 +313,7 @@ def main(argv=None):
     if set(kmajors) - set(onoff) - {"all"}:
         raise SystemExit(f"--kmajor: each of {kmajors} must be auto, on, off or all")
     on_gpu = jax.devices()[0].platform != "cpu"
-    kmajors = [{"auto": on_gpu, "all": "all"}.get(k, onoff[k]) for k in kmajors]  # resolved here: see kweights
+    kmajors = [{"auto": on_gpu, "all": "all", "on": True, "off": False}[k] for k in kmajors]  # see kweights
     variants = [v + (rk, mr, km) for v in variants for rk in rope_kvs for mr in routes for km in kmajors]
     kweights = {}  # (kmajor mode) -> (the weights, their KMajor copy): made once, every such variant shares it
     from jaxserve.models import moe
