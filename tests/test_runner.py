@@ -28,19 +28,26 @@ def test_scan_and_unrolled_layouts_agree(tmp_path):
     assert res[True][2] == res[False][2]
 
 
-def test_stored_programs_skip_tracing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kmajor", [None, True])
+def test_stored_programs_skip_tracing(tmp_path, monkeypatch, kmajor):
     """A second start with the same cache directory loads every program from the program store without
-    tracing, and generates the same tokens; another engine config misses and compiles."""
+    tracing, and generates the same tokens; another engine config misses and compiles. kmajor: weights
+    that are KMajor pytree nodes (the GPU default) store and load alike."""
     import jax
 
     from jaxserve.engine.runner import ModelRunner
 
     d = add_byte_tokenizer(make_tiny_model("llama", tmp_path / "m"))
     kw = dict(max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4, num_blocks=24,
-              compile_cache_dir=str(tmp_path / "cache"))
+              compile_cache_dir=str(tmp_path / "cache"), kmajor_weights=kmajor)
     p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
     prompt = [[7, 8, 9, 10, 11]]
     first = LLM(str(d), **kw)
+    if kmajor:
+        from jaxserve.models.kmajor import KMajor
+
+        assert any(isinstance(v, KMajor) for v in jax.tree.leaves(first.engine.runner.weights,
+                                                                  is_leaf=lambda v: isinstance(v, KMajor)))
     want = first.generate(prompt, p)[0].outputs[0]
     stored = list((tmp_path / "cache" / "jaxserve-programs").glob("*.jaxprog"))
     assert len(stored) == first.engine.runner.num_compiled > 0

@@ -104,6 +104,7 @@ def kernel_settings() -> str:
 
     names = [m.name for m in pkgutil.walk_packages(kernels.__path__, "jaxserve.kernels.")]
     names.append("jaxserve.models.moe")  # KERNEL_MAX_TILE: which expert path a MoE step traces
+    names.append("jaxserve.models.kmajor")  # XLA_SMALL_DOT: which matmul a [N, K] weight traces
     for name in names:
         importlib.import_module(name)
     out = []
