@@ -12,6 +12,9 @@ is 5-9% faster than over [N, K] (same table).
 
 `KMajor(wt)` is the weight as a pytree node: `.shape` is the logical [..., K, N], `.wt` the array
 [..., N, K]. `transformer.linear` (and the MoE router) compute x @ W as a dot_general over K of both.
+`to_kmajor(every=True)` (EngineConfig.kmajor_weights "all", experimental) converts the large weights
+too; their one-row matmuls are then written as the f32 multiply + row reduction (`matmul`), measured
+per matmul only (session 28).
 """
 
 from __future__ import annotations
