@@ -13,7 +13,7 @@
 #                                               kv-fp8-time moe-packed-tests kv-fp8-prof moe-engine mm-check
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
-#                                               gemv-layout moe-gen-24 auto-width kmajor red-nk
+#                                               gemv-layout moe-gen-24 auto-width kmajor red-nk kmajor-all
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -106,6 +106,14 @@ for part in "$@"; do
     # The 8B's one-row matmuls written as XLA's row reduction over [N, K] (what it does below 10M elements)
     red-nk) timeout 150 python3 bench/gemv_layout.py --shapes qkv,o,down,gate_up,lm_head --M 1,2 \
               --variant xla_kn --variant xla_nk --variant red_nk 2>&1 | tail -32 ;;
+    # --kmajor-weights all on the 8B (every weight [N, K], one-row matmuls as XLA's row reduction; session
+    # 28 measured it per matmul only): the serial runner at 128 / 4k, then through generate (bs1 at 4k,
+    # 32 sequences, prefill) against the default
+    kmajor-all) timeout 240 python3 bench/decode.py --random-weights --config llama-3.1-8b --attention pallas_triton \
+                  --contexts 128,4096 --runs 3 --kmajor on,all --json "$OUT/decode.jsonl" 2>&1 | tail -5
+                for k in auto all; do
+                  tp 200 --workloads 1x4096x256,32x1024x128,1x2048x1 --runs 3 --kmajor-weights $k | tail -4
+                done ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \

@@ -129,8 +129,8 @@ def main(argv=None):
     ap.add_argument("--moe-kernel-max-tile", type=int, default=None,
                     help="MoE models: tiles of up to this many rows through the in-place expert kernels "
                          "(models/moe.KERNEL_MAX_TILE, read when programs trace; 0 = XLA's path)")
-    ap.add_argument("--kmajor-weights", choices=["auto", "on", "off"], default="auto",
-                    help="EngineConfig.kmajor_weights (the small dense matmul weights held [N, K])")
+    ap.add_argument("--kmajor-weights", choices=["auto", "on", "off", "all"], default="auto",
+                    help="EngineConfig.kmajor_weights (the small dense matmul weights held [N, K]; all: every one)")
     ap.add_argument("--moe-route-max-tokens", type=int, default=None,
                     help="steps of up to this many tokens route in kernels/moe_route's Pallas kernel where the "
                          "experts take the Pallas kernels (models/moe.ROUTE_KERNEL_MAX_TOKENS; 0 = XLA's ops)")
@@ -209,7 +209,7 @@ def main(argv=None):
                              name=RANDOM_PREFIX + args.config, mesh=None, rules=None)
         if args.lora:
             lm = with_random_adapters(lm, *map(int, args.lora.split(":")), args.dtype)
-        km = {"auto": jax.devices()[0].platform != "cpu", "on": True, "off": False}[args.kmajor_weights]
+        km = {"auto": jax.devices()[0].platform != "cpu", "on": True, "off": False, "all": True}[args.kmajor_weights]
         if km and tp == 1 and args.quant == "none":
             # the runner's own conversions (which free their sources), made once here: several engine
             # variants below share these weights
@@ -217,7 +217,8 @@ def main(argv=None):
 
             from jaxserve.models import kmajor, transformer as tf
 
-            lm = dataclasses.replace(lm, weights=kmajor.to_kmajor(tf.fuse_projections(lm.weights), free=True))
+            lm = dataclasses.replace(lm, weights=kmajor.to_kmajor(tf.fuse_projections(lm.weights), free=True,
+                                                                  every=args.kmajor_weights == "all"))
         jax.block_until_ready(lm.weights)
         print(f"# weights built in {time.perf_counter() - t:.1f}s (tp={tp})", flush=True)
         return lm
@@ -235,7 +236,7 @@ def main(argv=None):
                         int8_activations=args.int8_activations, kv_dtype=args.kv_dtype,
                         lora_modules=tuple((n, "random") for n in lm.lora_names),
                         num_speculative_tokens=args.speculative, speculative_model=args.draft,
-                        kmajor_weights={"auto": None, "on": True, "off": False}[args.kmajor_weights])
+                        kmajor_weights={"auto": None, "on": True, "off": False, "all": "all"}[args.kmajor_weights])
     # workloads run one after another: the cache holds the largest one (not max_n sequences of max_len)
     need_blocks = max(n * -(-(i + o + 16) // ecfg.block_size) for n, i, o in wls) + 2
     ecfg = ecfg.replace(num_blocks=need_blocks, token_buckets=buckets or ecfg.token_buckets, seq_buckets=seq_buckets)
