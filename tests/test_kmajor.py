@@ -91,6 +91,24 @@ def test_to_kmajor_takes_the_small_dense_matmul_weights(monkeypatch, stacked):
     assert one["experts_gate"].ndim == 4 if stacked else one["experts_gate"].ndim == 3
 
 
+def test_fusing_kmajor_parts_keeps_them_kmajor():
+    """A model an earlier engine left [N, K] and unfused (fuse_projections off) fuses in the next one:
+    q/k/v and gate/up concatenate along N; a mix of layouts is left unfused."""
+    from jaxserve.models import transformer as tf
+
+    rng = np.random.default_rng(2)
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    layer = {"q": arr(16, 16), "k": arr(16, 8), "v": arr(16, 8), "gate": arr(16, 32), "up": arr(16, 32)}
+    dense = tf.fuse_projections({"layers": [dict(layer)]}, free=False)["layers"][0]
+    km = kmajor.to_kmajor({"layers": [dict(layer)]})["layers"][0]
+    fused = tf.fuse_projections({"layers": [km]}, free=False)["layers"][0]
+    for name in ("qkv", "gate_up"):
+        assert isinstance(fused[name], KMajor)
+        np.testing.assert_array_equal(np.asarray(fused[name].dense()), np.asarray(dense[name]))
+    mixed = tf.fuse_projections({"layers": [dict(km, q=layer["q"])]}, free=False)["layers"][0]
+    assert "qkv" not in mixed and isinstance(mixed["k"], KMajor) and "gate_up" in mixed
+
+
 def test_to_kmajor_frees_what_it_converts():
     w = jnp.ones((8, 8), jnp.float32)
     big = jnp.ones((8, 8), jnp.float32)

@@ -227,7 +227,8 @@ class ModelRunner:
             raise ValueError("dense_gemv needs a single device (no mesh)")
         if ecfg.kmajor_weights and mesh is not None:
             raise ValueError("kmajor_weights needs a single device (no mesh)")
-        kmajor_on = ecfg.kmajor_weights if ecfg.kmajor_weights is not None else (mesh is None and platform != "cpu")
+        # auto: XLA's GPU compiler is what strength-reduces small dots (models/kmajor)
+        kmajor_on = ecfg.kmajor_weights if ecfg.kmajor_weights is not None else (mesh is None and platform == "gpu")
         if kmajor_on:
             # the small matmul weights held [N, K] (models/kmajor); each source freed as it goes
             from jaxserve.models import kmajor

@@ -209,6 +209,8 @@ def _concat_out(srcs):
     a Q4_K_M file keeps some layers' v in Q6_K; NVFP4's per-tensor scales)."""
     if all(isinstance(a, CpuQWeight) for a in srcs):
         return cpu_native.concat_out(srcs)
+    if any(isinstance(a, KMajor) for a in srcs):  # weights an earlier runner held [N, K] (models/kmajor)
+        return KMajor(jnp.concatenate([a.wt for a in srcs], axis=-2)) if all(isinstance(a, KMajor) for a in srcs) else None
     if not any(isinstance(a, (QWeight, CpuQWeight)) for a in srcs):
         return jnp.concatenate(srcs, axis=-1)
     if not all(isinstance(a, QWeight) for a in srcs):
