@@ -312,7 +312,7 @@ def main(argv=None):
     kmajors = args.kmajor.split(",")
     if set(kmajors) - set(onoff) - {"all"}:
         raise SystemExit(f"--kmajor: each of {kmajors} must be auto, on, off or all")
-    on_gpu = jax.devices()[0].platform != "cpu"
+    on_gpu = jax.devices()[0].platform == "gpu"  # the runner's auto rule
     kmajors = [{"auto": on_gpu, "all": "all", "on": True, "off": False}[k] for k in kmajors]  # see kweights
     variants = [v + (rk, mr, km) for v in variants for rk in rope_kvs for mr in routes for km in kmajors]
     kweights = {}  # (kmajor mode) -> (the weights, their KMajor copy): made once, every such variant shares it

@@ -209,7 +209,7 @@ def main(argv=None):
                              name=RANDOM_PREFIX + args.config, mesh=None, rules=None)
         if args.lora:
             lm = with_random_adapters(lm, *map(int, args.lora.split(":")), args.dtype)
-        km = {"auto": jax.devices()[0].platform != "cpu", "on": True, "off": False, "all": True}[args.kmajor_weights]
+        km = {"auto": jax.devices()[0].platform == "gpu", "on": True, "off": False, "all": True}[args.kmajor_weights]
         if km and tp == 1 and args.quant == "none":
             # the runner's own conversions (which free their sources), made once here: several engine
             # variants below share these weights

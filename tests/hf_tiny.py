@@ -270,3 +270,11 @@ def make_tiny_qwen_vl(tmp_path, kind: str = "qwen2_vl", seed: int = 0, std: floa
     add_byte_tokenizer(out, special=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
     (out / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_VL_TEMPLATE}))
     return out
+
+
+def greedy_outputs(llm, prompts, params):
+    """(token ids, per-token logprobs) of each prompt's first completion: what tests compare between
+    two engine configurations that must compute the same function."""
+    outs = llm.generate(prompts, params)
+    return ([o.outputs[0].token_ids for o in outs],
+            [[lp for lp, _ in o.outputs[0].logprobs] for o in outs])

@@ -174,7 +174,7 @@ def test_decoder_with_dense_gemv_is_the_same_function(act):
 def test_engine_option_generates_the_same_tokens(tmp_path, monkeypatch):
     """EngineConfig.dense_gemv through the whole engine (decode loop, sampler; the kernels interpreted on
     CPU, unrolled layers): the same greedy tokens and logprobs as without it."""
-    from hf_tiny import make_tiny_model
+    from hf_tiny import greedy_outputs, make_tiny_model
     from jaxserve import LLM, SamplingParams
     from tiny_tokenizer import add_byte_tokenizer
 
@@ -190,8 +190,7 @@ def test_engine_option_generates_the_same_tokens(tmp_path, monkeypatch):
                   num_blocks=24, scan_layers=False, dense_gemv=on, fused_rope_kv=on,
                   compile_cache_dir=str(tmp_path / f"cache{on}"))  # traced, not loaded from a store
         assert (getattr(llm.engine.runner.qmatmul, "takes_dense", False)) == on
-        outs = llm.generate(prompts, p)
-        res.append(([o.outputs[0].token_ids for o in outs], [[lp for lp, _ in o.outputs[0].logprobs] for o in outs]))
+        res.append(greedy_outputs(llm, prompts, p))
     # traced per layer: q/k/v, o (no act) and down (act) of the decode programs
     assert calls.count("silu") >= 1 and calls.count(None) >= 2
     assert res[0][0] == res[1][0]

@@ -123,7 +123,7 @@ def test_engine_with_kmajor_weights_generates_the_same(tmp_path, family, extra):
     """EngineConfig.kmajor_weights through the whole engine (prefill chunks, the decode loop, the sampler):
     the same greedy tokens and logprobs as the weights held [K, N]. qwen2_moe: its router and shared
     expert go [N, K] too (its experts are 3-D: never)."""
-    from hf_tiny import make_tiny_model
+    from hf_tiny import greedy_outputs, make_tiny_model
     from jaxserve import LLM, SamplingParams
     from tiny_tokenizer import add_byte_tokenizer
 
@@ -143,8 +143,7 @@ def test_engine_with_kmajor_weights_generates_the_same(tmp_path, family, extra):
             assert ("shared_down" in names) == (family == "qwen2_moe")
         else:
             assert not names
-        outs = llm.generate(prompts, p)
-        res.append(([o.outputs[0].token_ids for o in outs], [[lp for lp, _ in o.outputs[0].logprobs] for o in outs]))
+        res.append(greedy_outputs(llm, prompts, p))
     assert res[0][0] == res[1][0]
     np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
 
@@ -154,7 +153,7 @@ def test_engine_with_every_weight_kmajor(tmp_path, monkeypatch):
     decode steps through the row reduction (the tiny model's weights counted as large): the same tokens
     and logprobs."""
     monkeypatch.setattr(kmajor, "XLA_SMALL_DOT", 1)
-    from hf_tiny import make_tiny_model
+    from hf_tiny import greedy_outputs, make_tiny_model
     from jaxserve import LLM, SamplingParams
     from tiny_tokenizer import add_byte_tokenizer
 
@@ -167,8 +166,7 @@ def test_engine_with_every_weight_kmajor(tmp_path, monkeypatch):
                   compile_cache_dir=str(tmp_path / f"cache{mode}"))
         layer0 = llm.engine.runner.weights["layers"][0]
         assert all(isinstance(layer0[n], KMajor) for n in ("qkv", "o", "gate_up", "down")) == (mode == "all")
-        out = llm.generate([[5 + i for i in range(12)]], p)[0].outputs[0]
-        res.append((out.token_ids, [lp for lp, _ in out.logprobs]))
+        res.append(greedy_outputs(llm, [[5 + i for i in range(12)]], p))
     assert res[0][0] == res[1][0]
     np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
 
@@ -176,7 +174,7 @@ def test_engine_with_every_weight_kmajor(tmp_path, monkeypatch):
 def test_engine_with_kmajor_weights_and_the_dense_gemv(tmp_path, monkeypatch):
     """Both options on (the dense GEMV forced on): the GEMV's engine matmul hands the [N, K] weights to
     XLA (the down projection with its activation too), the same tokens as neither."""
-    from hf_tiny import make_tiny_model
+    from hf_tiny import greedy_outputs, make_tiny_model
     from jaxserve import LLM, SamplingParams
     from jaxserve.kernels.dense_gemv import pallas_triton
     from tiny_tokenizer import add_byte_tokenizer
@@ -192,8 +190,7 @@ def test_engine_with_kmajor_weights_and_the_dense_gemv(tmp_path, monkeypatch):
         llm = LLM(str(d), max_model_len=32, max_num_seqs=2, prefill_chunk_size=16, block_size=4,
                   num_blocks=24, scan_layers=False, dtype="float32", dense_gemv=on, kmajor_weights=on,
                   compile_cache_dir=str(tmp_path / f"cache{on}"))
-        outs = llm.generate(prompts, p)
-        res.append(([o.outputs[0].token_ids for o in outs], [[lp for lp, _ in o.outputs[0].logprobs] for o in outs]))
+        res.append(greedy_outputs(llm, prompts, p))
     assert calls == []  # every dense matmul weight of the tiny model is small: [N, K], XLA's
     assert res[0][0] == res[1][0]
     np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
