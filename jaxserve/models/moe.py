@@ -40,7 +40,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.kernels import moe_gemv, moe_route
 from jaxserve.kernels.quant_matmul import cpu_native
 from jaxserve.kernels.quant_matmul.cpu_native import CpuQWeight
-from jaxserve.models import kmajor
 from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize, leaf_names
 
 # Tiles of up to this many rows take the kernel by default on a GPU (16 is the design: longer prompt
@@ -63,11 +62,10 @@ def route(cfg: ModelConfig, h, router, valid=None, impl: str = "reference", qmm:
     f32, top-k, renormalized when the config says so; padding tokens, valid False, parked on the first
     valid token's experts with weight 0). impl: its implementation; qmm: the runner's matmul when it
     takes dense weights (kernels/dense_gemv: the router's narrow one-row GEMV)."""
-    r = router.astype(h.dtype)
-    if isinstance(r, kmajor.KMajor):  # held [N, K] (models/kmajor)
-        logits = kmajor.matmul(h, r)
-    else:
-        logits = qmm(h, r) if getattr(qmm, "takes_dense", False) else jnp.dot(h, r)
+    from jaxserve.models.transformer import linear  # (transformer imports this module)
+
+    # the layers' matmul dispatch: a [N, K] router (models/kmajor) or the runner's dense GEMV
+    logits = linear(h, router.astype(h.dtype), qmm)
     return moe_route.get(impl)(logits, valid, k=cfg.experts_per_token, normalize=cfg.norm_topk_prob)
 
 
