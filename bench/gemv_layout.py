@@ -3,6 +3,7 @@ shapes, device time (profiler trace, 8 distinct weights per call so that L2 hold
 
   xla_kn     x @ w, w [K, N] (N contiguous: jaxserve's layout today)
   xla_nk     x @ wt.T, wt [N, K] (K contiguous: the checkpoint's own [out, in] layout)
+  xla_nk_swap  (wt @ x.T).T: the same product with the weight as the GEMM's first operand
   pallas_kn  kernels/dense_gemv (the engine's Pallas GEMV, its defaults; split-K parts left to a consumer)
   red_nk     the same as an explicit f32 multiply + reduction over K (XLA's row reduction, for any size)
   nk:...     a Pallas GEMV over wt [N, K] (below): each program reads bn whole K-contiguous rows of wt
@@ -204,6 +205,8 @@ def main():
                     f, wl = (lambda pre: lambda x, w: pre(x) @ w)(pre), ws
                 elif name == "xla_nk":
                     f, wl = (lambda x, w: lax.dot_general(x, w, (((1,), (1,)), ((), ())))), wts
+                elif name == "xla_nk_swap":  # y^T = W x^T: the weight on the GEMM's M side, then a transpose
+                    f, wl = (lambda x, w: lax.dot_general(w, x, (((1,), (1,)), ((), ()))).T), wts
                 elif name == "red_nk":  # the dot written as XLA's own strength reduction: f32 multiply + row reduce
                     f, wl = (lambda x, w: jnp.sum(x[:, None, :].astype(jnp.float32) * w[None].astype(jnp.float32),
                                                   axis=-1).astype(x.dtype)), wts

@@ -120,3 +120,15 @@ def test_dp_gemma_matches_single_device(tmp_path):
     assert got["tokens"] == base["tokens"] and got["top"] == base["top"]
     np.testing.assert_allclose(got["logprobs"], base["logprobs"], atol=1e-5)
     np.testing.assert_allclose(got["score"], base["score"], atol=1e-5)
+
+
+@pytest.mark.parametrize("opt", [dict(kmajor_weights=True), dict(kmajor_weights="all"), dict(dense_gemv=True),
+                                 dict(int8_activations=True)])
+def test_single_device_options_refused_before_load(opt):
+    """The one-device options are refused before the model is read (a missing model would raise
+    something else), not by the replica's runner after the whole load."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.dp_engine import DataParallelEngine
+
+    with pytest.raises(ValueError, match=f"{next(iter(opt))} needs a single device per model \\(no data"):
+        DataParallelEngine("nonexistent/model", dp=2, engine_config=EngineConfig(**opt))

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import LLMEngine, LoadedModel, load_model
+from jaxserve.engine.llm_engine import LLMEngine, LoadedModel, check_single_device, load_model
 from jaxserve.engine.output import SeqOutput
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.sequence import Sequence
@@ -119,6 +119,7 @@ class DataParallelEngine:
         setup_compilation_cache(ecfg.compile_cache_dir)
         if ecfg.speculative_model is not None:
             raise ValueError("speculative decoding with a draft model runs on one device (no data parallelism)")
+        check_single_device(ecfg, "no data parallelism")
         if ecfg.mmproj:
             raise ValueError("multimodal models (an mmproj file) run on one device (no tensor or data parallelism)")
         t0 = time.perf_counter()

@@ -395,6 +395,17 @@ def probe_model(cfg, weights):
     return pcfg, dict(weights, layers=layers, **own)
 
 
+SINGLE_DEVICE_OPTIONS = ("int8_activations", "dense_gemv", "kmajor_weights", "speculative_model")
+
+
+def check_single_device(ecfg: EngineConfig, what: str) -> None:
+    """Refuse, before any weight is loaded, the options whose kernels or layouts run on one device only
+    (the runner refuses them on a mesh too, but only after the load)."""
+    for opt in SINGLE_DEVICE_OPTIONS:
+        if getattr(ecfg, opt):
+            raise ValueError(f"{opt} needs a single device per model ({what})")
+
+
 class LLMEngine:
     def __init__(self, model: str | LoadedModel | None = None, *, engine_config: EngineConfig | dict | None = None,
                  file: str | None = None, weights_file: str | None = None,
@@ -407,9 +418,8 @@ class LLMEngine:
         if isinstance(engine_config, dict):
             engine_config = EngineConfig.from_dict(engine_config)
         ecfg = engine_config or EngineConfig()
-        for opt in ("int8_activations", "dense_gemv", "kmajor_weights", "speculative_model"):  # before the (long) load, not after it
-            if getattr(ecfg, opt) and tp > 1:
-                raise ValueError(f"{opt} needs a single device per model (tp = 1)")
+        if tp > 1:  # before the (long) load, not after it
+            check_single_device(ecfg, "tp = 1")
         setup_compilation_cache(ecfg.compile_cache_dir)
         t0 = time.perf_counter()
         lm = model if isinstance(model, LoadedModel) else load_model(
