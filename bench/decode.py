@@ -312,8 +312,10 @@ def main(argv=None):
     kmajors = args.kmajor.split(",")
     if set(kmajors) - set(onoff) - {"all"}:
         raise SystemExit(f"--kmajor: each of {kmajors} must be auto, on, off or all")
-    on_gpu = jax.devices()[0].platform == "gpu"  # the runner's auto rule
-    kmajors = [{"auto": on_gpu, "all": "all", "on": True, "off": False}[k] for k in kmajors]  # see kweights
+    from jaxserve.models.kmajor import auto_mode
+
+    auto = auto_mode(jax.devices()[0].platform, True, args.batch, 0)  # the runner's rule (one device, no drafts)
+    kmajors = [{"auto": auto, "all": "all", "on": True, "off": False}[k] for k in kmajors]  # see kweights
     variants = [v + (rk, mr, km) for v in variants for rk in rope_kvs for mr in routes for km in kmajors]
     kweights = {}  # (kmajor mode) -> (the weights, their KMajor copy): made once, every such variant shares it
     from jaxserve.models import moe

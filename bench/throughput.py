@@ -209,16 +209,17 @@ def main(argv=None):
                              name=RANDOM_PREFIX + args.config, mesh=None, rules=None)
         if args.lora:
             lm = with_random_adapters(lm, *map(int, args.lora.split(":")), args.dtype)
-        km = {"auto": jax.devices()[0].platform == "gpu", "on": True, "off": False, "all": True}[args.kmajor_weights]
+        from jaxserve.models import kmajor, transformer as tf
+
+        auto = kmajor.auto_mode(jax.devices()[0].platform, True, max(n for n, _, _ in wls), args.speculative)
+        km = {"auto": auto, "on": True, "off": False, "all": "all"}[args.kmajor_weights]
         if km and tp == 1 and args.quant == "none":
             # the runner's own conversions (which free their sources), made once here: several engine
             # variants below share these weights
             import dataclasses
 
-            from jaxserve.models import kmajor, transformer as tf
-
             lm = dataclasses.replace(lm, weights=kmajor.to_kmajor(tf.fuse_projections(lm.weights), free=True,
-                                                                  every=args.kmajor_weights == "all"))
+                                                                  every=km == "all"))
         jax.block_until_ready(lm.weights)
         print(f"# weights built in {time.perf_counter() - t:.1f}s (tp={tp})", flush=True)
         return lm

@@ -113,8 +113,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kmajor-weights", choices=["auto", "on", "off", "all"], default="auto",
                    help="hold the small dense matmul weights (< 10M elements with their input, which XLA runs "
                         "as a multiply + reduce) [out, in] so that the reduction reads each weight once "
-                        "(one device; auto: on with one GPU; all: every dense layer weight, one-row decode matmuls as "
-                        "XLA's row reduction)")
+                        "(one device; all: every dense layer weight, one-row decode matmuls as XLA's row reduction; "
+                        "auto: on with one GPU, all there when --max-num-seqs is 1 and no speculative decoding)")
     e.add_argument("--seed", type=int, default=None)
 
 

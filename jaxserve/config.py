@@ -347,7 +347,8 @@ class EngineConfig:
     # The small dense matmul weights (those XLA strength-reduces: operands < 10M elements, models/kmajor)
     # held [N, K] so that XLA's reduction reads each weight once. None: on with one GPU (no mesh); there
     # the dense GEMV's auto mode is then off (XLA over [N, K] is faster: bench/RESULTS.md session 28).
-    # "all": every dense layer matmul weight [N, K], one-row decode matmuls as XLA's row reduction.
+    # "all": every dense layer matmul weight [N, K], one-row decode matmuls as XLA's row reduction (the
+    # default on one GPU when max_num_seqs == 1 and no speculation: models/kmajor.auto_mode).
     kmajor_weights: bool | str | None = None
     attn_tile: int = 16  # query tile of prompt chunks in a step (each chunk is padded to a multiple)
     # Speculative decoding (engine/speculative.py; vLLM's speculative_config {"method": "ngram",

@@ -171,6 +171,36 @@ def test_engine_with_every_weight_kmajor(tmp_path, monkeypatch):
     np.testing.assert_allclose(res[0][1], res[1][1], atol=1e-4)
 
 
+def test_auto_mode():
+    """kmajor_weights=None: off but on one GPU; every weight [N, K] only when every decode matmul has one
+    row (one sequence at a time, no drafts to verify)."""
+    assert kmajor.auto_mode("cpu", True, 1, 0) is False
+    assert kmajor.auto_mode("gpu", False, 1, 0) is False  # a mesh
+    assert kmajor.auto_mode("gpu", True, 1, 0) == "all"
+    assert kmajor.auto_mode("gpu", True, 2, 0) is True
+    assert kmajor.auto_mode("gpu", True, 1, 3) is True
+
+
+@pytest.mark.parametrize("seqs,spec,every", [(1, 0, True), (2, 0, False), (1, 2, False)])
+def test_engine_default_layout_follows_the_batch(tmp_path, monkeypatch, seqs, spec, every):
+    """The runner's default (kmajor_weights=None) as it is on a GPU: the large weights go [N, K] only for
+    a one-sequence engine without speculation (the tiny model's weights counted as large)."""
+    from hf_tiny import make_tiny_model
+    from jaxserve import LLM
+    from tiny_tokenizer import add_byte_tokenizer
+
+    monkeypatch.setattr(kmajor, "XLA_SMALL_DOT", 1)
+    real = kmajor.auto_mode
+    monkeypatch.setattr(kmajor, "auto_mode", lambda platform, *a: real("gpu", *a))
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    llm = LLM(str(d), max_model_len=32, max_num_seqs=seqs, prefill_chunk_size=16, block_size=4, num_blocks=24,
+              scan_layers=False, dtype="float32", num_speculative_tokens=spec,
+              compile_cache_dir=str(tmp_path / "cache"))
+    layer0 = llm.engine.runner.weights["layers"][0]
+    assert {n for n in ("qkv", "o", "gate_up", "down") if isinstance(layer0[n], KMajor)} == (
+        {"qkv", "o", "gate_up", "down"} if every else set())
+
+
 def test_engine_with_kmajor_weights_and_the_dense_gemv(tmp_path, monkeypatch):
     """Both options on (the dense GEMV forced on): the GEMV's engine matmul hands the [N, K] weights to
     XLA (the down projection with its activation too), the same tokens as neither."""

@@ -227,12 +227,13 @@ class ModelRunner:
             raise ValueError("dense_gemv needs a single device (no mesh)")
         if ecfg.kmajor_weights and mesh is not None:
             raise ValueError("kmajor_weights needs a single device (no mesh)")
-        # auto: XLA's GPU compiler is what strength-reduces small dots (models/kmajor)
-        kmajor_on = ecfg.kmajor_weights if ecfg.kmajor_weights is not None else (mesh is None and platform == "gpu")
-        if kmajor_on:
-            # the small matmul weights held [N, K] (models/kmajor); each source freed as it goes
-            from jaxserve.models import kmajor
+        from jaxserve.models import kmajor
 
+        kmajor_on = ecfg.kmajor_weights
+        if kmajor_on is None:  # XLA's GPU compiler is what strength-reduces small dots (models/kmajor)
+            kmajor_on = kmajor.auto_mode(platform, mesh is None, ecfg.max_num_seqs, ecfg.num_speculative_tokens)
+        if kmajor_on:
+            # the small (or all) matmul weights held [N, K]; each source freed as it goes
             self.weights = weights = kmajor.to_kmajor(weights, free=True, every=kmajor_on == "all")
         if ecfg.dense_gemv or (ecfg.dense_gemv is None and mesh is None and platform != "cpu" and not kmajor_on):
             from jaxserve.kernels import dense_gemv

@@ -12,9 +12,9 @@ is 5-9% faster than over [N, K] (same table).
 
 `KMajor(wt)` is the weight as a pytree node: `.shape` is the logical [..., K, N], `.wt` the array
 [..., N, K]. `transformer.linear` (and the MoE router) compute x @ W as a dot_general over K of both.
-`to_kmajor(every=True)` (EngineConfig.kmajor_weights "all", experimental) converts the large weights
-too; their one-row matmuls are then written as the f32 multiply + row reduction (`matmul`), measured
-per matmul only (session 28).
+`to_kmajor(every=True)` (EngineConfig.kmajor_weights "all"; the default when the engine runs one
+sequence at a time, `auto_mode`) converts the large weights too; their one-row matmuls are then the
+f32 multiply + row reduction (`matmul`): Llama-8B bs1 +3.3-3.6%, 32 sequences -3% (H100, session 29).
 """
 
 from __future__ import annotations
@@ -84,6 +84,17 @@ def matmul(x, w: KMajor):
         f32 = jnp.float32
         return jnp.sum(x.astype(f32)[..., None, :] * w.wt.astype(f32), axis=-1).astype(jnp.result_type(x, w.wt))
     return lax.dot_general(x, w.wt, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def auto_mode(platform: str, single_device: bool, max_num_seqs: int, num_speculative_tokens: int):
+    """EngineConfig.kmajor_weights=None: off but on one GPU (the strength reduction is XLA's GPU
+    compiler's); there "all" when every decode matmul has one row (one sequence at a time, no drafts to
+    verify): the 8B's one-row matmuls as row reductions, bs1 +3.3-3.6% device-only on an H100, prefill
+    the same (bench/RESULTS.md session 29), while at 32 rows [N, K] GEMMs cost 2-9% — so only the
+    small weights when sequences batch."""
+    if platform != "gpu" or not single_device:
+        return False
+    return "all" if max_num_seqs == 1 and num_speculative_tokens == 0 else True
 
 
 def is_small(K: int, N: int, rows: int = DECODE_ROWS) -> bool:
