@@ -14,6 +14,7 @@
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
 #                                               gemv-layout moe-gen-24 auto-width kmajor red-nk kmajor-all
+#                                               kmajor-auto
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -114,6 +115,10 @@ for part in "$@"; do
                 for k in auto all; do
                   tp 200 --workloads 1x4096x256,32x1024x128,1x2048x1 --runs 3 --kmajor-weights $k | tail -4
                 done ;;
+    # Session 29: a one-sequence engine's default (auto) holds every dense weight [N, K] (= all); against on
+    kmajor-auto) for k in on auto; do
+                   tp 200 --workloads 1x4096x256,1x2048x1 --runs 3 --kmajor-weights $k | tail -3
+                 done ;;
     moe-engine-24) for t in 0 16; do
                      timeout 280 python3 bench/throughput.py --random-weights --config qwen3-30b-a3b --num-layers 24 \
                        --runs 3 --workloads 1x128x256,32x1024x128 --moe-kernel-max-tile $t \
