@@ -201,6 +201,35 @@ def test_engine_default_layout_follows_the_batch(tmp_path, monkeypatch, seqs, sp
         {"qkv", "o", "gate_up", "down"} if every else set())
 
 
+def test_layout_follows_the_engine_not_the_model(tmp_path, monkeypatch):
+    """Engines built one after another on one LoadedModel: each holds the layout its own config asks for
+    (an engine with kmajor_weights off after one with 'all' gets [K, N] back), same outputs."""
+    monkeypatch.setattr(kmajor, "XLA_SMALL_DOT", 1)
+    from hf_tiny import greedy_outputs, make_tiny_model
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from tiny_tokenizer import add_byte_tokenizer
+
+    d = add_byte_tokenizer(make_tiny_model("llama", tmp_path))
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    lm, res = str(d), []
+    for mode in ("all", False, "all", True):
+        ecfg = EngineConfig(max_model_len=32, max_num_seqs=1, prefill_chunk_size=16, block_size=4, num_blocks=24,
+                            scan_layers=False, dtype="float32", kmajor_weights=mode,
+                            compile_cache_dir=str(tmp_path / f"cache{mode}"))
+        engine = LLMEngine(lm, engine_config=ecfg)
+        lm = engine.model  # the next engine starts from whatever this one left
+        layer0 = engine.runner.weights["layers"][0]
+        kinds = {isinstance(layer0[n], KMajor) for n in ("qkv", "o", "gate_up", "down")}
+        assert kinds == {mode == "all"}, (mode, kinds)  # True: nothing is small here
+        res.append(greedy_outputs(LLM.from_engine(engine), [[5 + i for i in range(12)]], p))
+        del engine
+    for r in res[1:]:
+        assert r[0] == res[0][0]
+        np.testing.assert_allclose(r[1], res[0][1], atol=1e-4)
+
+
 def test_engine_with_kmajor_weights_and_the_dense_gemv(tmp_path, monkeypatch):
     """Both options on (the dense GEMV forced on): the GEMV's engine matmul hands the [N, K] weights to
     XLA (the down projection with its activation too), the same tokens as neither."""

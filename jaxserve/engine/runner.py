@@ -232,9 +232,10 @@ class ModelRunner:
         kmajor_on = ecfg.kmajor_weights
         if kmajor_on is None:  # XLA's GPU compiler is what strength-reduces small dots (models/kmajor)
             kmajor_on = kmajor.auto_mode(platform, mesh is None, ecfg.max_num_seqs, ecfg.num_speculative_tokens)
-        if kmajor_on:
-            # the small (or all) matmul weights held [N, K]; each source freed as it goes
-            self.weights = weights = kmajor.to_kmajor(weights, free=True, every=kmajor_on == "all")
+        if mesh is None:
+            # the small (or all, or no) matmul weights held [N, K], whatever an earlier engine on this model
+            # left; each source freed as it goes
+            self.weights = weights = kmajor.set_layout(weights, kmajor_on, free=True)
         if ecfg.dense_gemv or (ecfg.dense_gemv is None and mesh is None and platform != "cpu" and not kmajor_on):
             from jaxserve.kernels import dense_gemv
 

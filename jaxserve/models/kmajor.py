@@ -104,20 +104,35 @@ def is_small(K: int, N: int, rows: int = DECODE_ROWS) -> bool:
 
 def to_kmajor(weights: dict, free: bool = False, every: bool = False) -> dict:
     """The weights with each small dense decoder-layer matmul weight (NAMES, `is_small`; every: all of
-    them) as a KMajor; stacked ([L, K, N]) or per-layer lists alike; other leaves untouched. free:
-    delete each source array once transposed (the runner's copy), so the peak is one extra weight."""
+    them) as a KMajor, the others [K, N]: `set_layout(weights, "all" if every else True, free)`."""
+    return set_layout(weights, "all" if every else True, free)
+
+
+def set_layout(weights: dict, mode, free: bool = False) -> dict:
+    """The weights with each dense decoder-layer matmul weight (NAMES) in the layout `mode` asks for —
+    False: every one [K, N]; True: the small ones (`is_small`) [N, K]; "all": every one [N, K] — whatever
+    layout an earlier engine on the same model left them in (the engine's layout follows its config,
+    not the model's history). Stacked ([L, K, N]) or per-layer lists alike; other leaves untouched.
+    free: delete each source array once relaid (the runner's copy), so the peak is one extra weight."""
+    def wanted(K: int, N: int) -> bool:
+        return mode == "all" or (bool(mode) and is_small(K, N))
+
     def convert(layer: dict) -> dict:
         layer = dict(layer)
         for name in NAMES:
             w = layer.get(name)
-            if not isinstance(w, jax.Array) or w.ndim not in (2, 3) or not jnp.issubdtype(w.dtype, jnp.floating):
+            if isinstance(w, KMajor):
+                src, new = w.wt, (None if wanted(*w.shape[-2:]) else w.dense())
+            elif (isinstance(w, jax.Array) and w.ndim in (2, 3) and jnp.issubdtype(w.dtype, jnp.floating)
+                  and wanted(*w.shape[-2:])):
+                src, new = w, KMajor(jnp.swapaxes(w, -1, -2))
+            else:
                 continue
-            K, N = w.shape[-2:]
-            if not (every or is_small(K, N)):
+            if new is None:
                 continue
-            layer[name] = KMajor(jnp.swapaxes(w, -1, -2))
-            if free:
-                w.delete()
+            layer[name] = new
+            if free and isinstance(src, jax.Array):
+                src.delete()
         return layer
 
     layers = weights["layers"]
