@@ -199,7 +199,8 @@ def main(argv=None):
                          "with kernels/dense_gemv/pallas_triton.TUNING keys, e.g. 'off;on;on:block_n=32,max_splits=4', or max_n=N: auto's rule with N columns as its limit)")
     ap.add_argument("--fp8-kernel", default="",
                     help="semicolon list of keyword sets (K=V,...) of kernels/quant_matmul/pallas_fp8.qmatmul for "
-                         "--quant fp8, e.g. 'per_sm=2;per_sm=4,num_stages=2' (empty: its defaults)")
+                         "--quant fp8, e.g. 'per_sm=2;per_sm=4,num_stages=2' or the decode GEMV's "
+                         "'gemv_decode=cvt;gemv_decode=f16bits' (empty: its defaults)")
     ap.add_argument("--attn-decode", default=None,
                     help="KEY=V,... keyword arguments of the Pallas attention for this run (keys of its "
                          "DECODE_TUNING: split_min_tiles, block_k, num_warps, num_stages; block_k/num_warps/"
@@ -296,7 +297,7 @@ def main(argv=None):
             raise SystemExit(f"--dense-gemv: variant {v!r} is not off, on or on:KEY=V,...")
     variants = [("none", spec, f, d, None) for f in sorted(set(fuses)) for spec in args.attention.split(",")
                 for d in dgemvs if "none" in quants]
-    fp8s = [{k: int(x) for k, x in (kv.split("=") for kv in v.split(",") if kv)} or None
+    fp8s = [{k: int(x) if x.isdigit() else x for k, x in (kv.split("=") for kv in v.split(",") if kv)} or None
             for v in args.fp8_kernel.split(";")]
     variants += [(q, spec, True, d, f8) for q in quants if q != "none" for spec in args.attention.split(",")
                  for d in dgemvs for f8 in (fp8s if q == "fp8" else [None])]

@@ -28,7 +28,8 @@ from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
 # M <= 64 (GEMV keys apply to the rows GEMV['max_m'] sends there; gemv_max_m=0 / 4 moves them)
-VARIANTS = ["gemv_max_m=0", "gemv_max_m=4", "gemv_block_n=32", "gemv_block_n=128", "gemv_block_k=64",
+VARIANTS = ["gemv_decode=f16bits", "gemv_decode=f16bits,gemv_block_k=256", "gemv_decode=f16bits,gemv_num_warps=8",
+            "gemv_max_m=0", "gemv_max_m=4", "gemv_block_n=32", "gemv_block_n=128", "gemv_block_k=64",
             "gemv_per_sm=4", "gemv_per_sm=16", "gemv_max_splits=16", "gemv_num_warps=8", "gemv_num_stages=1"]
 
 

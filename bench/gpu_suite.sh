@@ -14,7 +14,7 @@
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
 #                                               gemv-layout moe-gen-24 auto-width kmajor red-nk kmajor-all
-#                                               kmajor-auto
+#                                               kmajor-auto fp8-f16bits
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -115,6 +115,13 @@ for part in "$@"; do
                 for k in auto all; do
                   tp 200 --workloads 1x4096x256,32x1024x128,1x2048x1 --runs 3 --kmajor-weights $k | tail -4
                 done ;;
+    # Session 29 (prepared): the FP8 decode GEMV with its codes decoded by integer ops into f16 (one
+    # conversion per weight instead of 1.5): GPU tests, per matmul, then the serial runner (~150 s)
+    fp8-f16bits) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -p no:cacheprovider \
+                   tests/test_quant_matmul.py -k "fp8_gemv or f16bits" 2>&1 | tail -2
+                 timeout 120 python3 bench/fp8_gpu.py --M 1 --only "engine,f16bits" 2>&1 | tail -18
+                 timeout 150 python3 bench/decode.py $A --attention pallas_triton --quant fp8 --contexts 128 --runs 3 \
+                   --fp8-kernel "gemv_decode=cvt;gemv_decode=f16bits" --json "$OUT/decode.jsonl" 2>&1 | tail -4 ;;
     # Session 29: a one-sequence engine's default (auto) holds every dense weight [N, K] (= all); against on
     kmajor-auto) for k in on auto; do
                    tp 200 --workloads 1x4096x256,1x2048x1 --runs 3 --kmajor-weights $k | tail -3

@@ -486,6 +486,8 @@ def test_fp8_kernel(M, dtype, tun):
     (1, jnp.bfloat16, {}),  # decode: K split (3 steps of 128)
     (2, jnp.bfloat16, dict(block_k=64, splits=1)),  # two steps per group, one split: x's dtype written
     (3, jnp.float32, dict(block_n=64, splits=2)),  # f32 x (not rounded); N in 5 tiles
+    (1, jnp.bfloat16, dict(decode="f16bits")),  # codes decoded by integer ops, x's piece times 2**8
+    (3, jnp.float32, dict(block_n=64, splits=2, decode="f16bits")),
 ], ids=str)
 def test_fp8_gemv(M, dtype, tun):
     """The FP8 CUDA-core GEMV (decode rows of a to_kn weight) computes x @ dequantize(W) in f32 from the
@@ -535,6 +537,22 @@ def test_fp8_gemv(M, dtype, tun):
     assert "qfp8_gemv" in names(lambda v: pt.qmatmul(v, kn, layer=1, fp8=dict(gemv_max_m=M), interpret=INTERPRET))
     _check(f8.qmatmul(x, kn, layer=1, gemv_max_m=M, gemv_block_n=64, interpret=INTERPRET), _oracle(xf, kn, 1),
            rtol=4e-3 if dtype == jnp.bfloat16 else 1e-5)
+
+
+def test_e4m3_f16bits_decodes_every_code():
+    """The GEMV's integer decode of e4m3 codes (decode='f16bits') is exact for every non-NaN code, the
+    subnormal ones (exponent 0: f16 subnormals) included; an unknown decode is refused."""
+    from jaxserve.kernels.quant_matmul import pallas_fp8 as f8
+
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN patterns
+    got = np.asarray(jax.jit(f8.e4m3_f16bits)(jnp.asarray(codes)).astype(jnp.float32), np.float64) * 256
+    want = np.asarray(jnp.asarray(codes).view(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(got, want)
+    assert np.count_nonzero((codes & 0x78) == 0) == 16 and np.all(np.abs(want[(codes & 0x78) == 0]) < 2.0 ** -6)
+    kn = f8.to_kn({"w": _float_code_weight("fp8", K=128, N=128)})["w"]
+    with pytest.raises(ValueError, match="decode must be"):
+        f8.gemv(jnp.ones((1, 128), jnp.bfloat16), kn, decode="fast", interpret=INTERPRET)
 
 
 def test_fp8_kn_prompt_rows_take_xla():

@@ -43,7 +43,12 @@ BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when t
 # K per step (dividing 128), target programs per SM, most K splits, warps, pipeline stages. Measured
 # on the H200 (bench/RESULTS.md, session 11): block_n 32 the fastest of 16-128 on all four Llama-8B
 # shapes; at M = 2 and 4 the tensor-core kernel is faster.
-GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3)
+# decode: how a code becomes an f32 — 'cvt' (the hardware e4m3 -> f16 conversion, then f16 -> f32) or
+# 'f16bits' (integer shifts and masks move the code's bits into an f16 of value code * 2**-8, the factor
+# going into x's piece; then f16 -> f32): one conversion per weight instead of one and a half, for the
+# case that the SM's conversion throughput, not DRAM, bounds the kernel.
+GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3, decode="cvt")
+DECODES = ("cvt", "f16bits")
 
 
 def supports(meta: QMeta, M: int) -> bool:
@@ -112,23 +117,37 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk
                     mask=jnp.broadcast_to(real[:, None], (Mp, bn)))
 
 
-def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nsteps, fold):
-    """One [bn] column tile over this program's K steps: codes [bn, bk] -> f32 (hardware e4m3 -> f16,
-    then f16 -> f32), multiply-added into a [bn, bk] f32 accumulator per row of x (one reduction over K
-    at the end). fold: one scale per (group, 128 columns) multiplies the group's x piece (bk values)
-    instead of every weight. (Loading the next step's codes a step ahead, in the loop's carry, and
-    steps of 2-4 groups were slower on the H200: bench/RESULTS.md, session 11.)"""
+def e4m3_f16bits(codes):
+    """uint8 e4m3fn bit patterns -> f16 of value code * 2**-8, by integer ops only: the sign to bit 15,
+    the 4 exponent and 3 mantissa bits to bits 7-13 (the f16 exponent's low 4 bits and the mantissa's
+    top 3). A normal code (exponent e >= 1) is then 2**(e - 15) * (1 + m/8), a subnormal one the f16
+    subnormal m * 2**-17: both exactly the code's value times 2**-8. (NaN codes are not decoded.)"""
+    c = codes.astype(jnp.uint16)
+    return lax.bitcast_convert_type(((c & 0x80) << 8) | ((c & 0x7F) << 7), jnp.float16)
+
+
+def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nsteps, fold, decode):
+    """One [bn] column tile over this program's K steps: codes [bn, bk] -> f32 ('cvt': hardware e4m3 ->
+    f16, then f16 -> f32; 'f16bits': `e4m3_f16bits` -> f32, x's piece times 2**8), multiply-added
+    into a [bn, bk] f32 accumulator per row of x (one reduction over K at the end). fold: one scale per
+    (group, 128 columns) multiplies the group's x piece (bk values) instead of every weight. (Loading
+    the next step's codes a step ahead, in the loop's carry, and steps of 2-4 groups were slower on the
+    H200: bench/RESULTS.md, session 11.)"""
     jn, ks = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     n0 = jn * bn
     f32 = jnp.float32
+    bits = decode == "f16bits"
 
     def body(i, acc):
         k0 = i * bk
         g = k0 // GROUP
         codes = q_ref[layer, pl.ds(n0, bn), pl.ds(k0, bk)]
-        w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(f32)  # [bn, bk]
-        xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) for m in range(M)]
+        if bits:
+            w = e4m3_f16bits(codes).astype(f32)  # [bn, bk], the values * 2**-8
+        else:
+            w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(f32)  # [bn, bk]
+        xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) * (f32(256.0) if bits else 1.0) for m in range(M)]
         if fold:
             s = s_ref[layer, g, n0 // GROUP]
             return tuple(acc[m] + w * (xs[m] * s)[None, :] for m in range(M))
@@ -183,7 +202,10 @@ def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False,
     q, s, layer = _layered(qw, layer, BLOCK_SCALES if fold else "scale")
     bn, bk, tiles, splits, per, nsteps = gemv_plan(meta.N, meta.K, t["block_n"], t["block_k"], t["per_sm"],
                                                   t["max_splits"], splits)
-    kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold)
+    if t["decode"] not in DECODES:
+        raise ValueError(f"fp8 gemv: decode must be one of {DECODES}, got {t['decode']!r}")
+    kernel = functools.partial(_gemv_kernel, M=M, bn=bn, bk=bk, per=per, nsteps=nsteps, fold=fold,
+                               decode=t["decode"])
     cp = None
     if not interpret:
         from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params
@@ -194,7 +216,8 @@ def gemv(x, qw: QWeight, *, layer=None, fold=None, splits=None, split_out=False,
     out = pl.pallas_call(kernel, grid=(tiles, splits), in_specs=[full] * 4, out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
                          compiler_params=cp,
-                         name=f"qfp8_gemv_m{M}_n{bn}_k{bk}_s{splits}" + ("_fold" if fold else ""))(layer, x2, q, s)
+                         name=f"qfp8_gemv_m{M}_n{bn}_k{bk}_s{splits}" + ("_fold" if fold else "")
+                         + ("_f16bits" if t["decode"] == "f16bits" else ""))(layer, x2, q, s)
     return finish_parts(out, split_out, x, meta.N)
 
 
