@@ -116,12 +116,15 @@ for part in "$@"; do
                   tp 200 --workloads 1x4096x256,32x1024x128,1x2048x1 --runs 3 --kmajor-weights $k | tail -4
                 done ;;
     # Session 29 (prepared): the FP8 decode GEMV with its codes decoded by integer ops into f16 (one
-    # conversion per weight instead of 1.5): GPU tests, per matmul, then the serial runner (~150 s)
+    # conversion per weight instead of 1.5; the tensor-core kernel's tiles with none): GPU tests, per matmul at
+    # 1 and 32 rows, then the serial runner at bs1 and 32 sequences (~300 s)
     fp8-f16bits) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -p no:cacheprovider \
                    tests/test_quant_matmul.py -k "fp8_gemv or f16bits" 2>&1 | tail -2
-                 timeout 120 python3 bench/fp8_gpu.py --M 1 --only "engine,f16bits" 2>&1 | tail -18
+                 timeout 150 python3 bench/fp8_gpu.py --M 1,32 --only "engine,f16bits" 2>&1 | tail -30
                  timeout 150 python3 bench/decode.py $A --attention pallas_triton --quant fp8 --contexts 128 --runs 3 \
-                   --fp8-kernel "gemv_decode=cvt;gemv_decode=f16bits" --json "$OUT/decode.jsonl" 2>&1 | tail -4 ;;
+                   --fp8-kernel "gemv_decode=cvt;gemv_decode=f16bits" --json "$OUT/decode.jsonl" 2>&1 | tail -4
+                 timeout 150 python3 bench/decode.py $A --attention pallas_triton --quant fp8 --contexts 1024 --batch 32 \
+                   --runs 3 --fp8-kernel "decode=cvt;decode=f16bits" --json "$OUT/decode.jsonl" 2>&1 | tail -4 ;;
     # Session 29: a one-sequence engine's default (auto) holds every dense weight [N, K] (= all); against on
     kmajor-auto) for k in on auto; do
                    tp 200 --workloads 1x4096x256,1x2048x1 --runs 3 --kmajor-weights $k | tail -3

@@ -440,6 +440,8 @@ def test_code_copy_wiring():
     (3, jnp.float32, dict(block_n=32, splits=2)),  # f32 x rounded to f16; N in 3 tiles
     (17, jnp.bfloat16, dict(splits=1)),  # rows padded to 32, one K split: the kernel writes x's dtype
     (70, jnp.bfloat16, dict(block_m=32)),  # a prompt: 3 row tiles, the last one partial
+    (3, jnp.float32, dict(block_n=32, splits=2, decode="f16bits")),  # the codes decoded by integer ops
+    (17, jnp.bfloat16, dict(splits=1, decode="f16bits")),
 ], ids=str)
 def test_fp8_kernel(M, dtype, tun):
     """The FP8 tensor-core kernel (pallas_fp8.py) computes x @ dequantize(W) exactly for bf16 x (x scaled
@@ -553,6 +555,8 @@ def test_e4m3_f16bits_decodes_every_code():
     kn = f8.to_kn({"w": _float_code_weight("fp8", K=128, N=128)})["w"]
     with pytest.raises(ValueError, match="decode must be"):
         f8.gemv(jnp.ones((1, 128), jnp.bfloat16), kn, decode="fast", interpret=INTERPRET)
+    with pytest.raises(ValueError, match="decode must be"):
+        f8.qmatmul(jnp.ones((2, 128), jnp.bfloat16), kn, decode="fast", interpret=INTERPRET)
 
 
 def test_fp8_kn_prompt_rows_take_xla():

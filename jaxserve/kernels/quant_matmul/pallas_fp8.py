@@ -74,7 +74,7 @@ def _pow2_scales(a):
     return f, inv
 
 
-def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk, u):
+def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk, u, decode):
     from jaxserve.kernels.paged_attention.pallas_triton import _dot
 
     jn, ks = pl.program_id(0), pl.program_id(1)
@@ -92,14 +92,16 @@ def _kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, Mp, bn, per, nsteps, nk
         f, inv = _pow2_scales(jnp.max(jnp.abs(xt), axis=1))
         xh = (xt * f[:, None]).astype(jnp.float16)
         if nk:  # the [N, K] copy: a [bn, 128] tile is already the dot's row-major first operand
-            w = lax.bitcast_convert_type(q_ref[layer, pl.ds(n0, bn), pl.ds(k0, GROUP)], jnp.float8_e4m3fn)
-            w = w.astype(jnp.float16)
+            codes = q_ref[layer, pl.ds(n0, bn), pl.ds(k0, GROUP)]
         else:
             codes = q_ref[layer, pl.ds(k0, GROUP), pl.ds(n0, bn)]  # [128, bn] uint8
-            w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).T
-        part = _dot(w, xh.T)  # [bn, Mp] f32: the weights on the dot's wide side
+        if decode == "f16bits":  # integer ops, the values times 2**-8 (scaled back with inv below)
+            w = e4m3_f16bits(codes)
+        else:
+            w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16)
+        part = _dot(w if nk else w.T, xh.T)  # [bn, Mp] f32: the weights on the dot's wide side
         s = s_ref[layer, g, pl.ds(n0, bn)]  # [bn] this group's scale per column
-        return acc + part * s[:, None] * inv[None, :]
+        return acc + part * s[:, None] * (inv * 256.0 if decode == "f16bits" else inv)[None, :]
 
     def body(i, acc):  # u groups per iteration (fewer loop overheads, more loads in flight)
         for j in range(u):
@@ -233,11 +235,13 @@ def plan(N: int, K: int, block_n: int, splits: int | None, per_sm: int, mtiles: 
 
 
 def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None, per_sm=2, unroll=1, num_warps=4,
-            num_stages=3, split_out=False, interpret=None, gemv_max_m=None,
+            num_stages=3, decode="cvt", split_out=False, interpret=None, gemv_max_m=None,
             **gemv_tuning):
     """x [..., K] @ W [K, N] for e4m3 block-wise W: exact up to f32 accumulation order for bf16/f16 x (f32
     x is rounded to f16). split_out: with more than one K split, return the partials as a SplitSum for
-    the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`.
+    the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`. decode: how a tile of codes
+    becomes the dot's f16 operand ('cvt': the hardware conversion; 'f16bits': `e4m3_f16bits`, integer ops
+    only, the factor 2**8 applied with the group's scale; both exact).
 
     Up to gemv_max_m rows (default GEMV['max_m']) of a weight held [N, K] go to `gemv` instead (the
     CUDA-core kernel; its tuning as gemv_<key>=...). (XLA's own GEMM with the block scales folded into x
@@ -263,7 +267,9 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     Mp = min(block_m, Mp)
     mtiles = -(-M // Mp)
     bn, tiles, splits, per, nsteps, u = plan(meta.N, meta.K, block_n, splits, per_sm, mtiles, unroll)
-    kernel = functools.partial(_kernel, M=M, Mp=Mp, bn=bn, per=per, nsteps=nsteps, nk=nk, u=u)
+    if decode not in DECODES:
+        raise ValueError(f"fp8 kernel: decode must be one of {DECODES}, got {decode!r}")
+    kernel = functools.partial(_kernel, M=M, Mp=Mp, bn=bn, per=per, nsteps=nsteps, nk=nk, u=u, decode=decode)
     cp = None
     if not interpret:
         from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params
@@ -273,7 +279,8 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     full = pl.BlockSpec()
     out = pl.pallas_call(kernel, grid=(tiles, splits, mtiles), in_specs=[full] * 4, out_specs=full,
                          out_shape=jax.ShapeDtypeStruct((splits, M, meta.N), odt), interpret=interpret,
-                         compiler_params=cp, name=f"qfp8_m{Mp}_n{bn}_s{splits}")(layer, x2, q, s)
+                         compiler_params=cp, name=f"qfp8_m{Mp}_n{bn}_s{splits}" + ("_f16bits" if decode == "f16bits" else ""))(
+                             layer, x2, q, s)
     return finish_parts(out, split_out, x, meta.N)
 
 
