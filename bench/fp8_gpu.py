@@ -28,8 +28,8 @@ from jaxserve.quant.qweight import KN_CODES, QWeight, dequantize  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672)}
 # M <= 64 (GEMV keys apply to the rows GEMV['max_m'] sends there; gemv_max_m=0 / 4 moves them)
-VARIANTS = ["gemv_decode=f16bits", "gemv_decode=f16bits,gemv_block_k=256", "gemv_decode=f16bits,gemv_num_warps=8",
-            "decode=f16bits",  # the tensor-core kernel's (rows past gemv_max_m)
+VARIANTS = ["gemv_decode=f16bits", "gemv_decode=f16bits,gemv_num_warps=8",  # the GEMV's (rows <= GEMV['max_m'])
+            "decode=f16bits",  # the tensor-core kernel's (rows past it)
             "gemv_max_m=0", "gemv_max_m=4", "gemv_block_n=32", "gemv_block_n=128", "gemv_block_k=64",
             "gemv_per_sm=4", "gemv_per_sm=16", "gemv_max_splits=16", "gemv_num_warps=8", "gemv_num_stages=1"]
 
@@ -65,8 +65,10 @@ def main():
             impls = [("xla bf16 weights", dense, lambda x, w: x @ w),
                      ("fp8 [N,K] (engine)", kns, functools.partial(f8.qmatmul, interpret=interpret)),
                      ("fp8 q0 (transposed in kernel)", qs, functools.partial(f8.qmatmul, interpret=interpret))]
+            gemv_rows = M <= f8.GEMV["max_m"]  # a decode variant only where its kernel takes these rows
             impls += [(f"fp8 [N,K] {v}", kns, functools.partial(f8.qmatmul, interpret=interpret, **parse_kv(v)))
-                      for v in (variants if M <= 64 else ["block_m=64", "block_m=128,num_warps=8", "decode=f16bits"])]
+                      for v in (variants if M <= 64 else ["block_m=64", "block_m=128,num_warps=8", "decode=f16bits"])
+                      if not (v.startswith("decode=") and gemv_rows) and not (v.startswith("gemv_decode") and not gemv_rows)]
             if M <= 4:  # the CUDA-core GEMV with each weight scaled (weights whose scales are not 128x128 blocks)
                 impls.append(("fp8 gemv, per-column scales", kns, functools.partial(
                     f8.gemv, fold=False, interpret=interpret)))

@@ -123,7 +123,8 @@ def test_dp_gemma_matches_single_device(tmp_path):
 
 
 @pytest.mark.parametrize("opt", [dict(kmajor_weights=True), dict(kmajor_weights="all"), dict(dense_gemv=True),
-                                 dict(int8_activations=True)])
+                                 dict(int8_activations=True), dict(fuse_projections=True),
+                                 dict(fused_decode_attention=True)])
 def test_single_device_options_refused_before_load(opt):
     """The one-device options are refused before the model is read (a missing model would raise
     something else), not by the replica's runner after the whole load."""

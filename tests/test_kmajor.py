@@ -117,6 +117,32 @@ def test_to_kmajor_frees_what_it_converts():
     assert isinstance(out["layers"][0]["o"], KMajor)
 
 
+def test_set_layout_keeps_what_is_already_right(monkeypatch):
+    """set_layout with free=True relays only what its mode changes: a weight already in the wanted layout
+    (KMajor or [K, N]) is the same object afterwards and is not deleted; switching modes moves exactly
+    the weights the rule names, with the same values."""
+    monkeypatch.setattr(kmajor, "XLA_SMALL_DOT", 64 * 16 + 16 * 40 + 1)  # K=16: N <= 40 is small
+    rng = np.random.default_rng(3)
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    small, large = arr(2, 16, 8), arr(2, 16, 64)  # stacked [L, K, N]
+    ref = {"o": np.asarray(small), "down": np.asarray(large)}
+    w = {"layers": {"o": small, "down": large}}
+    dense = lambda v: np.asarray(v.dense() if isinstance(v, KMajor) else v)  # noqa: E731
+    for mode, kinds in ((True, (True, False)), (True, (True, False)), ("all", (True, True)),
+                        ("all", (True, True)), (True, (True, False)), (False, (False, False))):
+        before = dict(w["layers"])
+        w = kmajor.set_layout(w, mode, free=True)
+        for name, want_km in zip(("o", "down"), kinds):
+            now = w["layers"][name]
+            assert isinstance(now, KMajor) == want_km, (mode, name)
+            np.testing.assert_array_equal(dense(now), ref[name])
+            if isinstance(before[name], KMajor) == want_km:  # unchanged: the very same, live array
+                assert now is before[name]
+                assert not (now.wt if want_km else now).is_deleted()
+            else:  # relaid: the source is freed
+                assert (before[name].wt if isinstance(before[name], KMajor) else before[name]).is_deleted()
+
+
 @pytest.mark.parametrize("family,extra", [("llama", {}), ("llama", {"tie_word_embeddings": False}),
                                           ("qwen2_moe", {})])
 def test_engine_with_kmajor_weights_generates_the_same(tmp_path, family, extra):

@@ -158,7 +158,9 @@ def load_draft(path: str, target, ecfg, *, multi_host: bool = False):
 
 def draft_engine_config(ecfg):
     """The draft runner's EngineConfig: the target's limits, buckets and block layout (its cache is indexed by
-    the target's block tables), without speculation, adapters, logprobs or weight-format options."""
+    the target's block tables), without speculation, adapters, logprobs or weight-format options. Its dense
+    weight layout (kmajor_weights) is the target's setting; left to auto, a one-sequence engine's draft
+    holds every weight [N, K] (its drafting steps are one row each; not measured on its own)."""
     return ecfg.replace(num_speculative_tokens=0, speculative_model=None, max_logprobs=0, lora=(), lora_modules=(),
                         max_loras=None, max_lora_rank=None, isq=None, int8_activations=False, dense_gemv=None,
                         token_buckets=ecfg.token_buckets, seq_buckets=ecfg.seq_buckets)

@@ -395,7 +395,8 @@ def probe_model(cfg, weights):
     return pcfg, dict(weights, layers=layers, **own)
 
 
-SINGLE_DEVICE_OPTIONS = ("int8_activations", "dense_gemv", "kmajor_weights", "speculative_model")
+SINGLE_DEVICE_OPTIONS = ("int8_activations", "dense_gemv", "kmajor_weights", "fuse_projections",
+                         "fused_decode_attention", "speculative_model")
 
 
 def check_single_device(ecfg: EngineConfig, what: str) -> None:

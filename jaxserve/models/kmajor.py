@@ -12,8 +12,8 @@ is 5-9% faster than over [N, K] (same table).
 
 `KMajor(wt)` is the weight as a pytree node: `.shape` is the logical [..., K, N], `.wt` the array
 [..., N, K]. `transformer.linear` (and the MoE router) compute x @ W as a dot_general over K of both.
-`to_kmajor(every=True)` (EngineConfig.kmajor_weights "all"; the default when the engine runs one
-sequence at a time, `auto_mode`) converts the large weights too; their one-row matmuls are then the
+`to_kmajor(every=True)` (EngineConfig.kmajor_weights "all"; the default on one GPU when the engine runs
+one sequence at a time without speculation, `auto_mode`) converts the large weights too; their one-row matmuls are then the
 f32 multiply + row reduction (`matmul`): Llama-8B bs1 +3.3-3.6%, 32 sequences -3% (H100, session 29).
 """
 
@@ -113,7 +113,8 @@ def set_layout(weights: dict, mode, free: bool = False) -> dict:
     False: every one [K, N]; True: the small ones (`is_small`) [N, K]; "all": every one [N, K] — whatever
     layout an earlier engine on the same model left them in (the engine's layout follows its config,
     not the model's history). Stacked ([L, K, N]) or per-layer lists alike; other leaves untouched.
-    free: delete each source array once relaid (the runner's copy), so the peak is one extra weight."""
+    free: delete each source array once relaid (the runner's copy), so the peak is one extra weight —
+    an engine built on a LoadedModel thus takes its weights over: one live engine per loaded model."""
     def wanted(K: int, N: int) -> bool:
         return mode == "all" or (bool(mode) and is_small(K, N))
 

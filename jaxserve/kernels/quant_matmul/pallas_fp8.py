@@ -149,7 +149,9 @@ def _gemv_kernel(layer_ref, x_ref, q_ref, s_ref, o_ref, *, M, bn, bk, per, nstep
             w = e4m3_f16bits(codes).astype(f32)  # [bn, bk], the values * 2**-8
         else:
             w = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float16).astype(f32)  # [bn, bk]
-        xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) * (f32(256.0) if bits else 1.0) for m in range(M)]
+        xs = [x_ref[m, pl.ds(k0, bk)].astype(f32) for m in range(M)]
+        if bits:
+            xs = [v * f32(256.0) for v in xs]
         if fold:
             s = s_ref[layer, g, n0 // GROUP]
             return tuple(acc[m] + w * (xs[m] * s)[None, :] for m in range(M))
@@ -241,7 +243,7 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     x is rounded to f16). split_out: with more than one K split, return the partials as a SplitSum for
     the consumer to add. qw: [K, N], or stacked [L, K, N] with `layer`. decode: how a tile of codes
     becomes the dot's f16 operand ('cvt': the hardware conversion; 'f16bits': `e4m3_f16bits`, integer ops
-    only, the factor 2**8 applied with the group's scale; both exact).
+    only, the factor 2**8 folded into x's power-of-two scale; both exact, the same result).
 
     Up to gemv_max_m rows (default GEMV['max_m']) of a weight held [N, K] go to `gemv` instead (the
     CUDA-core kernel; its tuning as gemv_<key>=...). (XLA's own GEMM with the block scales folded into x
@@ -259,6 +261,9 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     if bad:
         raise TypeError(f"fp8 kernel: unknown keywords {bad}")
     tuned("fp8 gemv", GEMV, gt, also=("splits",))  # checked here too: rows past max_m never reach gemv
+    for d in (decode, gt.get("decode", GEMV["decode"])):  # both values, whichever kernel these rows take
+        if d not in DECODES:
+            raise ValueError(f"fp8 kernel: decode must be one of {DECODES}, got {d!r}")
     nk = KN_CODES in qw.arrays  # codes [N, K] (`to_kn`): no transpose in the kernel
     if nk and M <= (GEMV["max_m"] if gemv_max_m is None else gemv_max_m):
         return gemv(x, qw, layer=layer, splits=gt.pop("splits", splits), split_out=split_out, interpret=interpret, **gt)
@@ -267,8 +272,6 @@ def qmatmul(x, qw: QWeight, *, layer=None, block_n=128, block_m=64, splits=None,
     Mp = min(block_m, Mp)
     mtiles = -(-M // Mp)
     bn, tiles, splits, per, nsteps, u = plan(meta.N, meta.K, block_n, splits, per_sm, mtiles, unroll)
-    if decode not in DECODES:
-        raise ValueError(f"fp8 kernel: decode must be one of {DECODES}, got {decode!r}")
     kernel = functools.partial(_kernel, M=M, Mp=Mp, bn=bn, per=per, nsteps=nsteps, nk=nk, u=u, decode=decode)
     cp = None
     if not interpret:
