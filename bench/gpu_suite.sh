@@ -14,7 +14,7 @@
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
 #                                               gemv-layout moe-gen-24 auto-width kmajor red-nk kmajor-all
-#                                               kmajor-auto fp8-f16bits
+#                                               kmajor-auto fp8-f16bits norm-xla-all
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -125,6 +125,12 @@ for part in "$@"; do
                    --fp8-kernel "gemv_decode=cvt;gemv_decode=f16bits" --json "$OUT/decode.jsonl" 2>&1 | tail -4
                  timeout 150 python3 bench/decode.py $A --attention pallas_triton --quant fp8 --contexts 1024 --batch 32 \
                    --runs 3 --fp8-kernel "decode=cvt;decode=f16bits" --json "$OUT/decode.jsonl" 2>&1 | tail -4 ;;
+    # Session 29 (prepared): with every weight [N, K] the one-row matmuls are XLA row reductions, into whose
+    # input fusion XLA may pull the norm's elementwise part when the norm is jnp (launched with PDL too)
+    norm-xla-all) for n in default reference default reference; do
+                    timeout 100 python3 bench/decode.py $A --attention pallas_triton --contexts 4096 --runs 3 \
+                      --kmajor all --norm-impl $n --json "$OUT/decode.jsonl" 2>&1 | grep "tok/s (min"
+                  done ;;
     # Session 29: a one-sequence engine's default (auto) holds every dense weight [N, K] (= all); against on
     kmajor-auto) for k in on auto; do
                    tp 200 --workloads 1x4096x256,1x2048x1 --runs 3 --kmajor-weights $k | tail -3
