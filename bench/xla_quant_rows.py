@@ -31,18 +31,18 @@ from bench.profiling import check_and_time  # noqa: E402
 from bench.random_model import random_qweight  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_dp4a as dp  # noqa: E402
 from jaxserve.kernels.quant_matmul import pallas_fp8 as f8  # noqa: E402
+from jaxserve.kernels.quant_matmul.pallas_gemv import _MAGIC  # noqa: E402  (f32 bits of 2**23)
 from jaxserve.quant.qweight import KN_CODES, dequantize, group_factors  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096), "gate_up": (4096, 28672),
           "head": (4096, 128256)}
 F32 = jnp.float32
-MAGIC = 0x4B000000  # f32 bits of 2**23
 
 
 def to_f32(c, how: str):
     """uint8 codes -> f32 values."""
     if how == "magic":
-        return lax.bitcast_convert_type(c.astype(jnp.uint32) | jnp.uint32(MAGIC), F32) - F32(2.0 ** 23)
+        return lax.bitcast_convert_type(c.astype(jnp.uint32) | jnp.uint32(_MAGIC), F32) - F32(2.0 ** 23)
     return c.astype(F32)
 
 

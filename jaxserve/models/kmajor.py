@@ -90,7 +90,7 @@ def auto_mode(platform: str, single_device: bool, max_num_seqs: int, num_specula
     """EngineConfig.kmajor_weights=None: off but on one GPU (the strength reduction is XLA's GPU
     compiler's); there "all" when every decode matmul has one row (one sequence at a time, no drafts to
     verify): the 8B's one-row matmuls as row reductions, bs1 +3.3-3.6% device-only on an H100, prefill
-    the same (bench/RESULTS.md session 29), while at 32 rows [N, K] GEMMs cost 2-9% — so only the
+    the same (bench/RESULTS.md session 29), while at 32 rows [N, K] GEMMs cost 3-9% — so only the
     small weights when sequences batch."""
     if platform != "gpu" or not single_device:
         return False
@@ -122,16 +122,13 @@ def set_layout(weights: dict, mode, free: bool = False) -> dict:
         layer = dict(layer)
         for name in NAMES:
             w = layer.get(name)
-            if isinstance(w, KMajor):
-                src, new = w.wt, (None if wanted(*w.shape[-2:]) else w.dense())
+            if isinstance(w, KMajor) and not wanted(*w.shape[-2:]):
+                src, layer[name] = w.wt, w.dense()
             elif (isinstance(w, jax.Array) and w.ndim in (2, 3) and jnp.issubdtype(w.dtype, jnp.floating)
                   and wanted(*w.shape[-2:])):
-                src, new = w, KMajor(jnp.swapaxes(w, -1, -2))
-            else:
+                src, layer[name] = w, KMajor(jnp.swapaxes(w, -1, -2))
+            else:  # already as wanted, or not a dense matmul weight
                 continue
-            if new is None:
-                continue
-            layer[name] = new
             if free and isinstance(src, jax.Array):
                 src.delete()
         return layer
