@@ -1,5 +1,5 @@
 """Random packed (quantized) weights of a real-shaped model, built on the device, for the benchmarks.
-(Dense random models: `--model random:NAME`, jaxserve.engine.llm_engine.random_model.)"""
+(Dense random models: `--model random:NAME`, jaxserve.engine.model_loading.random_model.)"""
 
 from __future__ import annotations
 

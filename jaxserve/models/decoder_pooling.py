@@ -211,7 +211,7 @@ def load_head(d: str | Path, pcfg: DecoderPoolingConfig, token_id) -> dict:
 
 
 def load_weights(d: str | Path, pcfg: DecoderPoolingConfig, dtype, token_id=None) -> dict:
-    """The decoder's weights (engine/llm_engine.load_model, without its lm_head) and, for a classifier,
+    """The decoder's weights (engine/model_loading.load_model, without its lm_head) and, for a classifier,
     its head."""
     from jaxserve.engine.llm_engine import load_model
 

@@ -21,7 +21,7 @@ def add_common_args(p, *, shard_help: str, force_help: str) -> None:
 
 
 def open_text_source(args):
-    """The model source of args.model (llm_engine.open_model, dense), or None after printing why it
+    """The model source of args.model (engine/model_loading.open_model, dense), or None after printing why it
     cannot be converted: a multimodal model would lose its vision tower and projector (unless --text-only)."""
     import sys
 
