@@ -45,8 +45,9 @@ BLOCK_SCALES = "scale_nb"  # [..., K/128, ceil(N/128)]: a weight's scales when t
 # shapes; at M = 2 and 4 the tensor-core kernel is faster.
 # decode: how a code becomes an f32 — 'cvt' (the hardware e4m3 -> f16 conversion, then f16 -> f32) or
 # 'f16bits' (integer shifts and masks move the code's bits into an f16 of value code * 2**-8, the factor
-# going into x's piece; then f16 -> f32): one conversion per weight instead of one and a half, for the
-# case that the SM's conversion throughput, not DRAM, bounds the kernel.
+# going into x's piece; then f16 -> f32): one conversion per weight instead of one and a half. Measured
+# (H100, session 30): f16bits 12-39% slower per matmul — the integer ops cost more issue slots than the
+# conversion they replace — so 'cvt' is the default.
 GEMV = dict(max_m=1, block_n=32, block_k=128, per_sm=8, max_splits=8, num_warps=4, num_stages=3, decode="cvt")
 DECODES = ("cvt", "f16bits")
 
