@@ -14,7 +14,7 @@
 #                                               bf16-prof fp8-fold xla-int4 moe-engine-24
 #                                               tests-s27 qk-norm moe-route
 #                                               gemv-layout moe-gen-24 auto-width kmajor red-nk kmajor-all
-#                                               kmajor-auto fp8-f16bits norm-xla-all
+#                                               kmajor-auto fp8-f16bits norm-xla-all bf16-1 bf16-32
 #
 # On the device machine, from the repo root. It installs the wheels carried in bench/wheelhouse
 # (build it here first, see below) and writes JSON rows under $OUT (default /tmp/out). Each part has
@@ -44,6 +44,10 @@ for part in "$@"; do
                --runs cold,warm --json "$OUT/startup.jsonl" 2>&1 | tail -4 ;;
     bf16) tp 200 --workloads 1x4096x256,1x128x256,32x1024x128 | tail -8 ;;
     bf16-32k) tp 100 --workloads 1x32768x256 | tail -3 ;;
+    # Session 30: bs1 and 32 sequences from separate engines, so that each gets its own default layout
+    # (kmajor auto: every dense weight [N, K] in the one-sequence engine, the small ones in the other)
+    bf16-1) tp 200 --workloads 1x4096x256,1x128x256,1x2048x1 | tail -5 ;;
+    bf16-32) tp 120 --workloads 32x1024x128 | tail -3 ;;
     bf16-256) tp 240 --workloads 256x1024x128 --runs 3 | tail -3 ;;  # issue 4: "256 concurrent: report"
     int4) tp 150 --workloads 1x128x512,32x1024x128 --quant int4 --int8-activations | tail -4 ;;
     q4k) tp 100 --workloads 1x128x512 --quant q4k --int8-activations | tail -3 ;;
