@@ -791,3 +791,34 @@ def test_embeddings_on_a_generative_model_is_400(url):
     status, err = post_json(f"{url}/v1/embeddings", {"input": "hello"})
     assert status == 400 and err["error"]["code"] == "model_not_supported" and err["error"]["param"] == "model"
     validate_schema(err, "ErrorResponse")
+
+
+def test_lone_surrogates_and_undecodable_bodies_are_400(url):
+    """A \\ud800-\\udfff escape without its pair is valid JSON syntax but not Unicode text: json.loads
+    made it a lone surrogate that the tokenizer refused with a TypeError (a 500 on every endpoint that
+    tokenizes). A body that does not match its Content-Encoding was a 500 too."""
+    cases = [("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+              "messages[0].content"),
+             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": '
+                                      b'"\\udfff"}]}]}', "messages[0].content[0].text"),
+             ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+             ("/v1/completions", b'{"prompt": ["ok", "\\udc00x"], "max_tokens": 2}', "prompt[1]"),
+             ("/v1/responses", b'{"input": "hi", "instructions": "\\ud800", "max_output_tokens": 2}', "instructions"),
+             ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', None),
+             # the same surrogate UTF-8-encoded (json.loads(bytes) lets it through with 'surrogatepass')
+             ("/tokenize", b'{"prompt": "a\xed\xa0\x80"}', None)]
+    for path, body, param in cases:
+        status, err = post_raw(f"{url}{path}", body)
+        assert status == 400, (path, body, status, err)
+        validate_schema(err, "ErrorResponse")
+        assert err["error"]["param"] == param, (body, err)
+    # a surrogate pair is one character, not an error
+    status, r = post_raw(f"{url}/tokenize", b'{"prompt": "a\\ud83d\\ude00"}')
+    assert status == 200 and r["count"] > 1, r
+    status, err = post_raw(f"{url}/v1/chat/completions", json.dumps(chat_body("hi", max_tokens=2)).encode(),
+                           headers={"Content-Encoding": "gzip"})
+    assert status == 400 and "content-encoding" in err["error"]["message"], (status, err)
+    validate_schema(err, "ErrorResponse")
+    status, r = post_json(f"{url}/v1/chat/completions", chat_body("Hello!", max_tokens=4))
+    assert status == 200 and r["choices"][0]["message"]["content"] is not None

@@ -6,6 +6,7 @@ Every route exists with and without the `/v1` prefix, as vLLM and llama.cpp serv
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from aiohttp import web
@@ -28,19 +29,66 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+# a \ud800-\udfff escape: JSON lets one stand alone, and json.loads turns it into a lone surrogate
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _lone_surrogate(body) -> tuple[bool, str | None]:
+    """(found, where) of the first string or key holding a lone UTF-16 surrogate (iterative: the body
+    may be nested as deep as json.loads allows)."""
+    stack = [(body, None)]
+    while stack:
+        x, where = stack.pop()
+        if isinstance(x, str):
+            if not _is_text(x):
+                return True, where
+        elif isinstance(x, dict):
+            for k, v in reversed(list(x.items())):
+                if not _is_text(k):
+                    return True, where
+                stack.append((v, k if where is None else f"{where}.{k}"))
+        elif isinstance(x, list):
+            stack += [(v, f"{where or ''}[{i}]") for i, v in reversed(list(enumerate(x)))]
+    return False, None
+
+
 async def read_json(request: web.Request):
     """The decoded body; 400 for anything that is not JSON (413 comes from aiohttp's size limit)."""
     limit = request.app["max_body"]
     if request.content_length is not None and request.content_length > limit:
         # refuse before reading: no point in receiving megabytes we will throw away
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match: the client's fault
+        why = " ".join(str(getattr(e.__cause__, "message", None) or e).split())
+        raise bad_request(f"the request body could not be read: {why}") from None
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        # decoded strictly here: json.loads(bytes) decodes with 'surrogatepass', letting UTF-8-encoded
+        # surrogates through
+        text = raw.decode(json.detect_encoding(raw))
+        body = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    # A lone surrogate is not Unicode text: the tokenizer and UTF-8 encoders fail on it (a 500 deep in a
+    # handler), so it is refused here, once for every endpoint.
+    if _SURROGATE_ESCAPE.search(text):
+        found, where = _lone_surrogate(body)
+        if found:
+            raise bad_request(f"the request body is not valid JSON: {where or 'a string'} holds a lone UTF-16 "
+                              "surrogate escape (\\ud800-\\udfff without its pair), which is not Unicode text",
+                              where)
+    return body
 
 
 def _json_endpoint(fn):
