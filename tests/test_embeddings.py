@@ -177,6 +177,12 @@ def test_embeddings_endpoint(server, minilm):
         assert err["error"]["param"] == param, (body, err)
     status, err = post_json(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and err["error"]["code"] == "model_not_supported"
+    # /tokenize and /detokenize serve pooling models too (token_strs was an AttributeError: a 500)
+    status, r = post_json(f"{url}/tokenize", {"model": "minilm", "prompt": TEXTS[3]})
+    assert status == 200 and r["tokens"] == minilm.tokenizer.encode(TEXTS[3]), r
+    assert r["count"] == len(r["token_strs"]) == len(r["tokens"]) and r["max_model_len"] == 256
+    status, r2 = post_json(f"{url}/detokenize", {"tokens": r["tokens"]})
+    assert status == 200 and "hi" in r2["prompt"], r2
     status, models = get_json(f"{url}/v1/models")
     assert status == 200 and models["data"][0]["id"] == "minilm" and models["data"][0]["max_model_len"] == 256
     assert get_json(f"{url}/health")[0] == 200

@@ -199,6 +199,9 @@ def get_json_status(u: str):
     ({"input": "hi", "text": {"format": "json"}}, "text.format"),
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    # an output part whose text is not a string (was a TypeError: 500)
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": 5}]}]},
+     "input[0]"),
     ({"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"input": "hi", "max_output_tokens": "ten"}, "max_output_tokens"),
     ({}, "input"),

@@ -500,6 +500,8 @@ BAD_COMPLETIONS = [
     (json.dumps({"prompt": "word " * 2100}).encode(), "prompt"),
     (json.dumps({"prompt": "hi", "stream_options": {"include_usage": True}}).encode(), "stream_options"),
     (json.dumps({"prompt": "hi", "structured_outputs": {"grammar": "start: foo"}}).encode(), "structured_outputs"),
+    # compiles, but no output can satisfy it (was a 200 with an empty reply)
+    (json.dumps({"prompt": "hi", "structured_outputs": {"regex": "[^\\s\\S]"}}).encode(), "structured_outputs"),
 ]
 
 

@@ -281,7 +281,9 @@ def test_compiled_grammars_are_reused_and_bad_input_is_an_error(tok, compiler):
     deep = {"type": "object"}
     for _ in range(300):
         deep = {"type": "object", "properties": {"a": deep}}
-    for bad in [dict(regex="\ud800"), dict(json_schema=deep)]:
+    # [^\s\S]: compiles, but no output satisfies it (was accepted and ended its reply at the first token)
+    for bad in [dict(regex="\ud800"), dict(json_schema=deep), dict(regex="[^\\s\\S]"),
+                dict(regex="[^\\x00-\\x{10FFFF}]")]:
         with pytest.raises(StructuredOutputError):
             compiler.matcher(StructuredOutput(**bad))
     # a schema's own whitespace option does not lift the bound

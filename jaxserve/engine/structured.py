@@ -222,6 +222,14 @@ class GrammarCompiler:
             raise StructuredOutputError(f"invalid {spec.kind}: {e}") from None
         if m.is_error():
             raise StructuredOutputError(f"invalid {spec.kind}: {_first_line(m.get_error())}")
+        # The first mask, on a copy: a grammar no output can satisfy (e.g. the regex [^\s\S]) fails here as a
+        # 400 instead of ending its reply at the first token with an empty 200. It also builds the lexer states
+        # the copies share here, off the engine thread (a{1000000}: ~0.3 s that would stall a step).
+        probe = m.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise StructuredOutputError(f"invalid {spec.kind}: no output can satisfy it "
+                                        f"({_first_line(probe.get_error())})")
         return m
 
 

@@ -130,8 +130,9 @@ def _messages(items: str | list, where: str = "input") -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = it.get("output")
-            if isinstance(output, list):  # content parts: their text
-                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+            if isinstance(output, list):  # content parts: their text (a non-string text: refused below, not joined)
+                texts = [p.get("text", "") for p in output if isinstance(p, dict)]
+                output = "".join(texts) if all(isinstance(t, str) for t in texts) else None
             if not isinstance(it.get("call_id"), str) or not isinstance(output, str):
                 raise bad_request(f"{w} needs call_id and output strings", w)
             out.append({"role": "tool", "tool_call_id": it["call_id"], "content": output})
