@@ -186,6 +186,11 @@ class EncoderTokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(int(i))
 
+    def token_bytes(self, i: int) -> bytes:
+        """The token decoded alone, as UTF-8 (the tokenizer interface's byte view, which /tokenize reads;
+        encoder vocabularies here are WordPiece / SentencePiece text pieces)."""
+        return (self.decode([i], skip_special_tokens=False) or self.id_to_token(i) or "").encode("utf-8")
+
 
 def length_buckets(max_len: int) -> list[int]:
     out, t = [], MIN_LEN_BUCKET

@@ -157,8 +157,7 @@ class ServerState:
             except Exception:
                 alone = ""
             alone = alone or tok.id_to_token(tid) or ""
-            # a pooling model's EncoderTokenizer has no byte view (no logprobs there; /tokenize needs the text)
-            raw = tok.token_bytes(tid) if hasattr(tok, "token_bytes") else alone.encode("utf-8")
+            raw = tok.token_bytes(tid)
             try:
                 name = raw.decode("utf-8")
             except UnicodeDecodeError:
