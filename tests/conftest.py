@@ -55,7 +55,7 @@ def model_args() -> list[str]:
 class ServerProc:
     """A `python -m jaxserve.cli run ...` subprocess; its output goes to a log file."""
 
-    def __init__(self, name: str, args: list[str], host: str | None = None):
+    def __init__(self, name: str, args: list[str], host: str | None = None, env: dict | None = None):
         self.name = name
         self.port = free_port()
         self.host = host or "127.0.0.1"
@@ -64,7 +64,7 @@ class ServerProc:
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"jaxserve-{name}-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "jaxserve.cli", "run", "--host", self.host, "--port", str(self.port),
                *model_args(), *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def output(self) -> str:
@@ -205,8 +205,9 @@ SERVER_CONFIGS = {
                  args=["--max-model-len", str(max(4096, LONG_PROMPT_TOKENS + 192)), "--max-num-seqs", "2",
                        "--prefill-chunk-size", "128", "--decode-steps", "1", "--mem", "800",
                        "--disable-prefix-cache"]),
-    # a KV cache far too small for its batch (preemption), on a unix socket, behind an API key
-    "tiny": dict(used_by=("test_server_tiny",), unix=True,
+    # a KV cache far too small for its batch (preemption), on a unix socket, behind an API key, with a
+    # short body-read timeout
+    "tiny": dict(used_by=("test_server_tiny",), unix=True, env={"JAXSERVE_BODY_TIMEOUT": "2"},
                  args=["--max-model-len", "512", "--max-num-seqs", "4", "--prefill-chunk-size", "64",
                        "--mem", "10", "--block-size", "16", "--api-key", "sekrit", "--disable-prefix-cache",
                        "--cors-origins", "http://app.example"]),
@@ -249,7 +250,7 @@ def _launch(names) -> None:
             if cfg.get("unix"):
                 host = "unix://" + os.path.join(tempfile.mkdtemp(prefix="jaxserve-sock-"), "s.sock")
             args = cfg["args"]() if callable(cfg["args"]) else cfg["args"]
-            _servers[name] = ServerProc(name, args, host)
+            _servers[name] = ServerProc(name, args, host, cfg.get("env"))
 
 
 # Parallel runs (pytest-xdist, README's test command: `-n 2 --dist loadgroup`): every test module is one

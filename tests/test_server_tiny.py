@@ -145,6 +145,41 @@ def test_prompt_that_can_never_fit(sock):
     assert "208" in err["error"]["message"]  # the cache's size in tokens is in the message
 
 
+def test_stalled_body_is_408_and_others_go_on(sock):
+    """A client that sends its headers and half its body, then stalls, gets a 408 after
+    JAXSERVE_BODY_TIMEOUT (2 s for this server) instead of holding the connection; a request beside it
+    is served."""
+    async def stalled():
+        reader, writer = await asyncio.open_unix_connection(sock)
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body[:5])
+        await writer.drain()
+        t0 = time.monotonic()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        waited = time.monotonic() - t0
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        err = json.loads(await reader.readexactly(length))
+        writer.close()
+        return head.split(b"\r\n")[0], waited, err
+
+    async def both():
+        async with _session(sock) as s:
+            other = asyncio.create_task(s.post("http://x/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
+            status_line, waited, err = await stalled()
+            resp = await other
+            return status_line, waited, err, resp.status
+
+    status_line, waited, err, other_status = asyncio.run(both())
+    assert b" 408 " in status_line, status_line
+    assert 1.5 < waited < 20, waited
+    assert err["error"]["code"] == "request_timeout" and "JAXSERVE_BODY_TIMEOUT" in err["error"]["message"]
+    validate_schema(err, "ErrorResponse")
+    assert other_status == 200
+
+
 def test_webui_page_and_stream(sock):
     """The chat page is served without the key; the request its script builds, streamed by this server
     and split by its SSE parser (tests/test_webui.py) in 7- and 4096-character pieces, gives the same

@@ -5,6 +5,7 @@ Every route exists with and without the `/v1` prefix, as vLLM and llama.cpp serv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ from aiohttp import web
 from jaxserve.server.chat import chat_completions
 from jaxserve.server.completions import completions
 from jaxserve.server.embeddings import classify, embeddings, rerank, score
-from jaxserve.server.errors import bad_request
+from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
                                       parse_request)
 from jaxserve.server.images import chat_prompt
@@ -67,7 +68,11 @@ async def read_json(request: web.Request):
         # refuse before reading: no point in receiving megabytes we will throw away
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
-        raw = await request.read()
+        # a client that stalls mid-body would otherwise hold its connection (and this task) for good
+        raw = await asyncio.wait_for(request.read(), request.app["body_timeout"])
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body was not received within {request.app['body_timeout']:g} s "
+                       "(JAXSERVE_BODY_TIMEOUT)", code="request_timeout") from None
     except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match: the client's fault
         why = " ".join(str(getattr(e.__cause__, "message", None) or e).split())
         raise bad_request(f"the request body could not be read: {why}") from None

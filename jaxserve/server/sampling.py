@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from jaxserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from jaxserve.server import tools
@@ -18,6 +19,7 @@ try:  # the sampler's fixed-size tables; the engine raises inside a step when th
 except Exception:  # pragma: no cover
     MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS = 64, 8
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # a negative id is refused later with the out-of-range message
 _COPY = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
          "repetition_penalty", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
          "include_stop_str_in_output")
@@ -52,11 +54,10 @@ def _common(state, req, max_tokens: int | None) -> dict:
                               "logit_bias")
         bias = {}
         for k, v in req.logit_bias.items():
-            try:
-                tid = int(k)
-            except ValueError:
-                raise bad_request(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
-            bias[tid] = v
+            # plain decimal digits only: int() would also take "1_0", " 7" or "+3"
+            if not _TOKEN_ID_KEY.fullmatch(k):
+                raise bad_request(f"logit_bias keys must be token ids (decimal digits), got {k!r}", "logit_bias")
+            bias[int(k)] = v
         kw["logit_bias"] = bias
     if max_tokens is not None:
         if max_tokens < 1:
