@@ -202,6 +202,10 @@ def get_json_status(u: str):
     # an output part whose text is not a string (was a TypeError: 500)
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": 5}]}]},
      "input[0]"),
+    # echoed by GET .../input_items, so typed as the API's items are (were stored and echoed as sent)
+    ({"input": [{"role": "user", "content": "hi", "id": 7}]}, "input[0].id"),
+    ({"input": [{"type": "reasoning", "summary": "thought"}, {"role": "user", "content": "hi"}]}, "input[0].summary"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 1}]}]}, "input[0].summary"),
     ({"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"input": "hi", "max_output_tokens": "ten"}, "max_output_tokens"),
     ({}, "input"),
@@ -266,6 +270,17 @@ def test_input_items(url, client):
         status, err = get_json_status(f"{url}/v1/responses/{r.id}/input_items?{q}")
         assert status == 400 and err["error"]["param"] == param, err
     assert get_json_status(f"{url}/v1/responses/resp_missing/input_items")[0] == 404
+
+
+def test_reasoning_input_item_is_echoed(url):
+    """A reasoning item passed back (as clients replay a previous response's output) is accepted, not shown
+    to the model, and listed by input_items with its id and summary."""
+    summary = [{"type": "summary_text", "text": "adding"}]
+    status, r = post_json(f"{url}/v1/responses", {"model": "smol", "max_output_tokens": 2, "input": [
+        {"type": "reasoning", "id": "rs_given", "summary": summary}, {"role": "user", "content": "hi"}]})
+    assert status == 200, r
+    status, page = get_json(f"{url}/v1/responses/{r['id']}/input_items?order=asc")
+    assert status == 200 and page["data"][0] == {"id": "rs_given", "type": "reasoning", "summary": summary}
 
 
 def test_store_is_bounded_in_bytes(monkeypatch):

@@ -106,6 +106,8 @@ def _messages(items: str | list, where: str = "input") -> list[dict]:
     for i, it in enumerate(items):
         w = f"{where}[{i}]"
         kind = it.get("type", "message")
+        if it.get("id") is not None and not isinstance(it["id"], str):  # echoed by GET .../input_items
+            raise bad_request(f"{w}.id must be a string", f"{w}.id")
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -137,6 +139,11 @@ def _messages(items: str | list, where: str = "input") -> list[dict]:
                 raise bad_request(f"{w} needs call_id and output strings", w)
             out.append({"role": "tool", "tool_call_id": it["call_id"], "content": output})
         elif kind == "reasoning":
+            summary = it.get("summary")
+            if summary is not None and not (isinstance(summary, list) and all(
+                    isinstance(p, dict) and p.get("type") == "summary_text" and isinstance(p.get("text"), str)
+                    for p in summary)):
+                raise bad_request(f"{w}.summary must be a list of summary_text parts", f"{w}.summary")
             continue  # earlier thinking is not shown to the model again (as chat templates drop it)
         else:
             raise bad_request(f"{w}: input items of type {kind!r} are not supported (message, function_call, "
