@@ -289,7 +289,7 @@ def main(argv=None):
             from jaxserve.kernels.dense_gemv import pallas_triton as dpt
 
             kw = dict(kv.split("=") for kv in v[3:].split(",")) if v.startswith("on:") else {}
-            bad = set(kw) - set(dpt.TUNING) - {"max_n"}  # max_n: the auto mode's width limit
+            bad = set(kw) - set(dpt.TUNING) - {"max_n", "max_m"}  # max_n: the auto mode's width limit; max_m: rows
             if bad:
                 raise SystemExit(f"--dense-gemv: unknown keys {sorted(bad)} (known: {sorted(dpt.TUNING)})")
             dgemvs.append({k: int(x) if x.isdigit() else x for k, x in kw.items()})

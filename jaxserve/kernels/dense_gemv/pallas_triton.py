@@ -27,7 +27,8 @@ from jaxserve.kernels.paged_attention.pallas_triton import _compiler_params, _on
 from jaxserve.kernels.registry import tuned
 from jaxserve.kernels.split_sum import SplitSum, add_parts
 
-MAX_M = 4
+MAX_M = 4  # rows in 'fma' mode (one accumulator per row)
+MAX_M_DOT = 32  # rows in 'dot' mode (x padded to a 16- or 32-row tensor-core tile; 5-32: session 31's experiment)
 NUM_SMS = 132
 # Defaults (bench/decode.py --dense-gemv k=v,... passes others): columns per tile, K rows per step,
 # target programs per SM, most K splits, warps, pipeline stages.
@@ -38,6 +39,10 @@ TUNING = dict(mode="dot", block_n=64, block_k=64, per_sm=8, max_splits=8, num_wa
 ROWS = 16  # x's rows padded to the smallest tensor-core tile
 
 
+def _rows(M: int) -> int:
+    return ROWS if M <= ROWS else 32
+
+
 def _largest_pow2_divisor(n: int, cap: int) -> int:
     b = 1
     while b * 2 <= cap and n % (b * 2) == 0:
@@ -46,14 +51,15 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 
 
 def supports(x, w, act=None) -> bool:
-    """Shapes the kernel takes: a 2-D float weight, at most MAX_M rows, K and N with a power-of-two
-    tile of at least 16."""
+    """Shapes the kernel takes: a 2-D float weight, at most MAX_M_DOT rows (MAX_M in 'fma' mode, which
+    f32 weights take), K and N with a power-of-two tile of at least 16."""
     if getattr(w, "ndim", 0) != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
         return False
     K, N = w.shape
     xk = x.shape[-1] // 2 if act is not None else x.shape[-1]
     M = math.prod(x.shape[:-1])
-    return (xk == K and M <= MAX_M and _largest_pow2_divisor(K, 16) == 16
+    max_m = MAX_M_DOT if w.dtype in (jnp.bfloat16, jnp.float16) and x.dtype == w.dtype else MAX_M
+    return (xk == K and M <= max_m and _largest_pow2_divisor(K, 16) == 16
             and _largest_pow2_divisor(N, 16) == 16)
 
 
@@ -88,16 +94,22 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, bn, bk, per, nsteps, act, mode):
     b0 = ks * per
     b1 = jnp.minimum(b0 + per, nsteps)
     if mode == "dot":
-        r = jnp.arange(ROWS)
+        R = _rows(M)
+        r = jnp.arange(R)
         real = r < M
         rows = jnp.minimum(r, M - 1)  # padded rows re-read row M-1 and are zeroed
 
         def body(i, acc):
             k0 = i * bk
-            xt = jnp.where(real[:, None], _x_rows(x_ref, rows, k0, bk, K, act), 0).astype(w_ref.dtype)
-            return acc + _dot(xt, w_ref[pl.ds(k0, bk), pl.ds(n0, bn)])
+            xt = _x_rows(x_ref, rows, k0, bk, K, act)
+            if M < R:
+                xt = jnp.where(real[:, None], xt, 0)
+            return acc + _dot(xt.astype(w_ref.dtype), w_ref[pl.ds(k0, bk), pl.ds(n0, bn)])
 
-        acc = lax.fori_loop(b0, b1, body, jnp.zeros((ROWS, bn), f32))
+        acc = lax.fori_loop(b0, b1, body, jnp.zeros((R, bn), f32))
+        if M > MAX_M:  # the output holds R rows (sliced outside): the whole tile in one store
+            o_ref[ks, :, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+            return
         for m in range(M):  # row m of the tile (Triton has no static slice of a tensor)
             o_ref[ks, m, pl.ds(n0, bn)] = jnp.sum(jnp.where(r[:, None] == m, acc, 0.0), axis=0).astype(o_ref.dtype)
         return
@@ -129,14 +141,18 @@ def gemv(x, w, *, act: str | None = None, split_out: bool = False, interpret: bo
     if t["mode"] not in ("dot", "fma"):
         raise ValueError(f"dense_gemv: mode must be 'dot' or 'fma', not {t['mode']!r}")
     mode = t["mode"] if w.dtype in (jnp.bfloat16, jnp.float16) and x.dtype == w.dtype else "fma"
+    if mode == "fma" and M > MAX_M:
+        raise ValueError(f"dense_gemv: 'fma' mode takes at most {MAX_M} rows, got {M}")
     kernel = functools.partial(_kernel, M=M, K=K, bn=bn, bk=bk, per=per, nsteps=nsteps, act=act, mode=mode)
     odt = x.dtype if splits == 1 else jnp.float32  # one split: the kernel writes the output itself
     full = pl.BlockSpec()
     out = pl.pallas_call(
         kernel, grid=(tiles, splits), in_specs=[full, full], out_specs=full,
-        out_shape=jax.ShapeDtypeStruct((splits, M, N), odt), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((splits, _rows(M) if mode == "dot" and M > MAX_M else M, N), odt),
+        interpret=interpret,
         compiler_params=None if interpret else _compiler_params(t["num_warps"], t["num_stages"]),
         name=f"dense_gemv_{mode}_m{M}_n{bn}_k{bk}_s{splits}" + (f"_{act}" if act else ""))(x2, w)
+    out = out[:, :M]  # padded rows (more than MAX_M rows in 'dot' mode); a no-op otherwise
     if splits == 1:
         return out[0].reshape(*lead, N)
     if split_out:
