@@ -194,7 +194,8 @@ def get_json_status(u: str):
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
-    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "background": True, "store": False}, "store"),
+    ({"input": "hi", "background": True, "stream": True}, "stream"),
     ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"input": "hi", "text": {"format": "json"}}, "text.format"),
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
@@ -281,6 +282,79 @@ def test_reasoning_input_item_is_echoed(url):
     assert status == 200, r
     status, page = get_json(f"{url}/v1/responses/{r['id']}/input_items?order=asc")
     assert status == 200 and page["data"][0] == {"id": "rs_given", "type": "reasoning", "summary": summary}
+
+
+def _poll(client, rid: str, until=("completed", "incomplete", "failed", "cancelled"), timeout: float = 120):
+    import time
+
+    end = time.monotonic() + timeout
+    seen = []
+    while True:
+        r = client.responses.retrieve(rid)
+        if not seen or seen[-1] != r.status:
+            seen.append(r.status)
+        if r.status in until or time.monotonic() > end:
+            return r, seen
+        time.sleep(0.05)
+
+
+def _running(url: str) -> float:
+    from test_server import metrics
+
+    return metrics(url)["jaxserve_num_requests_running"]
+
+
+def test_background_response_is_polled_to_the_same_reply(url, client):
+    """background: true answers at once ("queued"); GET shows it "in_progress", then the finished response,
+    which equals the same request answered in the foreground."""
+    kw = dict(model="smol", instructions=SYSTEM, input="Name three colours.", temperature=0, max_output_tokens=40)
+    want = client.responses.create(**kw)
+    bg = client.responses.create(background=True, **kw)
+    assert bg.background is True and bg.status in ("queued", "in_progress") and bg.output == []
+    done, seen = _poll(client, bg.id)
+    assert done.status == want.status and done.output_text == want.output_text and done.background
+    assert done.usage.output_tokens == want.usage.output_tokens
+    assert set(seen) <= {"queued", "in_progress", done.status}
+    _valid(done.model_dump())
+    # it continues a conversation like any stored response
+    nxt = client.responses.create(model="smol", previous_response_id=bg.id, input="And one more?", max_output_tokens=4)
+    assert nxt.status in ("completed", "incomplete")
+    # cancelling a finished one is a 400; a foreground response cannot be cancelled
+    for rid in (bg.id, want.id):
+        status, err = post_json(f"{url}/v1/responses/{rid}/cancel", {})
+        assert status == 400 and err["error"]["param"] == "response_id", err
+    assert post_json(f"{url}/v1/responses/resp_missing/cancel", {})[0] == 404
+
+
+def test_background_response_cancelled_and_deleted(url, client):
+    """A running background response is cancelled (its engine request aborted, nothing stored over it) and a
+    second cancel returns it again; deleting one that runs stops it too."""
+    import time
+
+    long = dict(model="smol", input="Write a long story.", max_output_tokens=1500, temperature=0,
+                extra_body={"structured_outputs": {"regex": "(a ){700}"}})
+    bg = client.responses.create(background=True, **long)
+    r, _ = _poll(client, bg.id, until=("in_progress",))
+    assert r.status == "in_progress" and _running(url) == 1
+    c = client.responses.cancel(bg.id)
+    assert c.status == "cancelled" and c.id == bg.id
+    end = time.monotonic() + 30
+    while _running(url) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _running(url) == 0  # the engine request was aborted, not left to run 1,500 tokens
+    time.sleep(0.3)
+    again = client.responses.retrieve(bg.id)
+    assert again.status == "cancelled" and again.output == []
+    assert client.responses.cancel(bg.id).status == "cancelled"
+    # deleted while running: stopped, and not stored again when it would have finished
+    bg2 = client.responses.create(background=True, **long)
+    _poll(client, bg2.id, until=("in_progress",))
+    client.responses.delete(bg2.id)
+    end = time.monotonic() + 30
+    while _running(url) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _running(url) == 0
+    assert get_json_status(f"{url}/v1/responses/{bg2.id}")[0] == 404
 
 
 def test_store_is_bounded_in_bytes(monkeypatch):

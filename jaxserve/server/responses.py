@@ -9,12 +9,16 @@ output_text, function_call) with the Responses usage; streamed as OpenAI's named
 (response.created ... response.output_text.delta ... response.completed). With `store` (the default, as
 OpenAI's) the conversation is kept in memory (the last MAX_STORED responses, MAX_STORED_BYTES of JSON at
 most), so `previous_response_id` continues it, GET returns it and GET .../input_items lists its input.
+`background: true` stores the response "queued" and answers at once; a task fills it in (POST .../cancel
+stops it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -26,6 +30,8 @@ from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest, _Req, parse_request
 from jaxserve.server.streaming import SSEWriter, failed
+
+log = logging.getLogger("jaxserve.server")
 
 MAX_STORED = 1000
 MAX_STORED_BYTES = 64 * 2**20  # images as data: URLs make entries large: the oldest go first past this
@@ -64,8 +70,8 @@ class ResponsesRequest(_Req):
     min_p: float | None = None
     repetition_penalty: float | None = None
     structured_outputs: Any = None  # vLLM's {"json" | "regex" | "choice" | "grammar": ...}
+    background: bool | None = None  # run detached: the reply is polled with GET (no streaming)
     # not implemented: refused when set
-    background: bool | None = None
     conversation: Any = None
     prompt: Any = None
 
@@ -226,9 +232,15 @@ def _response_format(text: dict | None) -> dict | None:
 
 def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
     """The chat request of a Responses request, and the conversation so far (for the store)."""
-    for f in ("background", "conversation", "prompt"):
+    for f in ("conversation", "prompt"):
         if getattr(req, f) not in (None, False):
             raise bad_request(f"'{f}' is not supported by this server", f, "unsupported_parameter")
+    if req.background:
+        if req.store is False:
+            raise bad_request("background responses must be stored: 'store' cannot be false", "store")
+        if req.stream:
+            raise bad_request("streaming a background response is not supported by this server: poll "
+                              "GET /v1/responses/{id} instead", "stream", "unsupported_parameter")
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_request("truncation must be \"auto\" or \"disabled\"", "truncation")
     history: list[dict] = []
@@ -267,7 +279,7 @@ def _envelope(req: ResponsesRequest, rid: str, created: int, model: str) -> dict
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
             "top_p": req.top_p, "truncation": req.truncation or "disabled", "usage": None, "user": req.user,
-            "metadata": req.metadata or {}}
+            "metadata": req.metadata or {}, "background": bool(req.background)}
 
 
 def _usage(gen) -> dict:
@@ -321,6 +333,12 @@ def _remember(state, req: ResponsesRequest, resp: dict, convo: list[dict], conte
     st = _store(state)
     entry = {"response": resp, "conversation": convo + [reply], "input_items": _input_items(req.input)}
     entry["bytes"] = len(json.dumps(entry))
+    old = st.get(resp["id"])
+    if old is not None:  # a background response: its queued entry is filled in where it stands
+        if old["response"]["status"] == "cancelled":
+            return
+        old.update(entry)
+        entry = old
     st[resp["id"]] = entry
     total = sum(e["bytes"] for e in st.values())
     while len(st) > MAX_STORED or (total > MAX_STORED_BYTES and len(st) > 1):
@@ -340,8 +358,15 @@ async def create_response(request: web.Request, state, body) -> web.StreamRespon
     resp = _envelope(req, "resp_" + run.gen.id.split("-", 1)[1], run.gen.created, run.model)
     if req.stream:
         return await _stream(request, state, req, run, resp, convo)
+    if req.background:
+        return web.json_response(_start_background(state, req, run, resp, convo))
+    await run.gen.run()
+    return web.json_response(_completed(state, req, run, resp, convo))
+
+
+def _completed(state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: list[dict]) -> dict:
+    """The response object of a finished generation (stored unless store is false)."""
     gen = run.gen
-    await gen.run()
     (c,) = gen.choices
     thought, content, calls, finish = run.reply(c)
     status = "incomplete" if finish == "length" else "completed"
@@ -353,6 +378,62 @@ async def create_response(request: web.Request, state, body) -> web.StreamRespon
                             _call_status(k["function"]["arguments"], finish)) for k in calls]
     resp = _finish(dict(resp, output=output + out_calls), finish, _usage(gen))
     _remember(state, req, resp, convo, content, out_calls)
+    return resp
+
+
+# ---------------------------------------------------------------------------------------- background
+def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: list[dict]) -> dict:
+    """background: true. The request is already admitted (errors were 4xx above); it is stored as "queued",
+    turns "in_progress" at its first token and is replaced by the finished response (or "failed" with its
+    error, or "cancelled"). The task is held in the store's entry until it ends."""
+    queued = dict(resp, status="queued")
+    st = _store(state)
+    entry = {"response": queued, "conversation": convo, "input_items": _input_items(req.input), "bytes": 0}
+    st[resp["id"]] = entry
+
+    async def on_updates(_updates) -> None:
+        if entry["response"]["status"] == "queued":
+            entry["response"] = dict(entry["response"], status="in_progress")
+
+    async def work() -> None:
+        try:
+            await run.gen.run(on_updates)
+            if any(c.finish_reason == "abort" for c in run.gen.choices):
+                raise APIError(500, "the generation was aborted (request timeout or server shutdown)")
+            _completed(state, req, run, resp, convo)
+        except asyncio.CancelledError:  # POST .../cancel: the generation was aborted as the task ended
+            pass
+        except APIError as e:
+            entry["response"] = dict(entry["response"], status="failed",
+                                     error={"code": e.code or "server_error", "message": e.message})
+        except Exception as e:  # noqa: BLE001 - reported in the stored response, never lost
+            log.exception("background response %s failed", resp["id"])
+            entry["response"] = dict(entry["response"], status="failed",
+                                     error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
+        finally:
+            entry.pop("task", None)
+
+    entry["task"] = asyncio.get_running_loop().create_task(work())
+    return queued
+
+
+async def cancel_response(request: web.Request, state) -> web.Response:
+    """POST /v1/responses/{id}/cancel: a background response still queued or running stops ("cancelled",
+    its output dropped); cancelling one already cancelled returns it again."""
+    rid = request.match_info["response_id"]
+    entry = _store(state).get(rid)
+    if entry is None:
+        raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
+    resp = entry["response"]
+    if not resp.get("background"):
+        raise bad_request("only responses created with background: true can be cancelled", "response_id")
+    task = entry.get("task")
+    if task is not None:
+        task.cancel()  # Generation.run's finally aborts the engine request and frees its blocks
+        entry["response"] = resp = dict(resp, status="cancelled")
+        entry.pop("task", None)
+    elif resp["status"] != "cancelled":
+        raise bad_request(f"cannot cancel a response that is {resp['status']}", "response_id")
     return web.json_response(resp)
 
 
@@ -394,8 +475,12 @@ async def list_input_items(request: web.Request, state) -> web.Response:
 
 async def delete_response(request: web.Request, state) -> web.Response:
     rid = request.match_info["response_id"]
-    if _store(state).pop(rid, None) is None:
+    entry = _store(state).pop(rid, None)
+    if entry is None:
         raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
+    if entry.get("task") is not None:  # a background response still running: stopped, not stored again
+        entry["response"] = dict(entry["response"], status="cancelled")
+        entry.pop("task").cancel()
     return web.json_response({"id": rid, "object": "response", "deleted": True})
 
 

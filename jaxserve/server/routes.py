@@ -20,7 +20,8 @@ from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, T
                                       parse_request)
 from jaxserve.server.images import chat_prompt
 from jaxserve.server.lora import list_lora_adapters, load_lora_adapter, set_lora_adapters, unload_lora_adapter
-from jaxserve.server.responses import create_response, delete_response, get_response, list_input_items
+from jaxserve.server.responses import (cancel_response, create_response, delete_response, get_response,
+                                       list_input_items)
 from jaxserve.server.sampling import check_ids
 
 STATE = web.AppKey("jaxserve_state", object)
@@ -233,4 +234,5 @@ def add_routes(app: web.Application) -> None:
         for path, h in gets.items():
             app.router.add_get(prefix + path, h)
         app.router.add_delete(prefix + "/responses/{response_id}", _state_endpoint(delete_response))
+        app.router.add_post(prefix + "/responses/{response_id}/cancel", _state_endpoint(cancel_response))
     app.router.add_post("/v2/rerank", _json_endpoint(rerank))  # Cohere's v2 path
