@@ -413,7 +413,9 @@ def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, co
         finally:
             entry.pop("task", None)
 
-    entry["task"] = asyncio.get_running_loop().create_task(work())
+    entry["task"] = task = asyncio.get_running_loop().create_task(work())
+    state.background_tasks.add(task)  # held even if the store drops the entry before it ends
+    task.add_done_callback(state.background_tasks.discard)
     return queued
 
 
