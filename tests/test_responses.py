@@ -195,7 +195,6 @@ def get_json_status(u: str):
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
     ({"input": "hi", "background": True, "store": False}, "store"),
-    ({"input": "hi", "background": True, "stream": True}, "stream"),
     ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"input": "hi", "text": {"format": "json"}}, "text.format"),
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
@@ -304,6 +303,16 @@ def _running(url: str) -> float:
     return metrics(url)["jaxserve_num_requests_running"]
 
 
+def _idle_soon(url: str, timeout: float = 30) -> bool:
+    """The engine's running batch empties within timeout (an abort reaches the engine thread a step later)."""
+    import time
+
+    end = time.monotonic() + timeout
+    while _running(url) and time.monotonic() < end:
+        time.sleep(0.05)
+    return _running(url) == 0
+
+
 def test_background_response_is_polled_to_the_same_reply(url, client):
     """background: true answers at once ("queued"); GET shows it "in_progress", then the finished response,
     which equals the same request answered in the foreground."""
@@ -326,6 +335,57 @@ def test_background_response_is_polled_to_the_same_reply(url, client):
     assert post_json(f"{url}/v1/responses/resp_missing/cancel", {})[0] == 404
 
 
+def test_background_stream_is_replayed(url, client):
+    """background + stream: the events stream as in the foreground (created "queued", then in_progress ...
+    completed) and stay replayable: GET ?stream=true&starting_after=N gives the ones after N, also after a
+    client dropped its stream mid-way (the generation does not depend on it)."""
+    import asyncio
+
+    import aiohttp
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    kw = dict(model="smol", input="Name three fruits.", temperature=0, max_output_tokens=30)
+    want = client.responses.create(**kw)
+    events = list(client.responses.create(background=True, stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[0].response.status == "queued"
+    assert events[1].type == "response.in_progress" and events[-1].type == f"response.{want.status}"
+    assert events[-1].response.output_text == want.output_text and events[-1].response.background
+    rid = events[0].response.id
+    assert client.responses.retrieve(rid).output_text == want.output_text
+    tail = list(client.responses.retrieve(rid, stream=True, starting_after=3))
+    assert [e.model_dump() for e in tail] == [e.model_dump() for e in events[4:]]
+
+    async def drop_then_resume():
+        seen = []
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v1/responses", json={**kw, "background": True, "stream": True}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        seen.append(json.loads(line[6:]))
+                    if len(seen) == 3:
+                        break  # the connection is closed here, mid-stream
+            rid = seen[0]["response"]["id"]
+            async with s.get(f"{url}/v1/responses/{rid}?stream=true&starting_after={seen[-1]['sequence_number']}") as r:
+                assert r.status == 200
+                rest = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
+        return seen + rest
+
+    got = asyncio.run(drop_then_resume())
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for e in got:
+        adapter.validate_python(e)
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert got[-1]["type"] == events[-1].type and got[-1]["response"]["output"][0]["content"][0]["text"] == \
+        want.output_text
+    # only a streamed background response streams again; starting_after must be a number
+    status, err = get_json_status(f"{url}/v1/responses/{want.id}?stream=true")
+    assert status == 400 and err["error"]["param"] == "stream"
+    status, err = get_json_status(f"{url}/v1/responses/{rid}?stream=true&starting_after=x")
+    assert status == 400 and err["error"]["param"] == "starting_after"
+
+
 def test_background_response_cancelled_and_deleted(url, client):
     """A running background response is cancelled (its engine request aborted, nothing stored over it) and a
     second cancel returns it again; deleting one that runs stops it too."""
@@ -338,10 +398,7 @@ def test_background_response_cancelled_and_deleted(url, client):
     assert r.status == "in_progress" and _running(url) == 1
     c = client.responses.cancel(bg.id)
     assert c.status == "cancelled" and c.id == bg.id
-    end = time.monotonic() + 30
-    while _running(url) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert _running(url) == 0  # the engine request was aborted, not left to run 1,500 tokens
+    assert _idle_soon(url)  # the engine request was aborted, not left to run 1,500 tokens
     time.sleep(0.3)
     again = client.responses.retrieve(bg.id)
     assert again.status == "cancelled" and again.output == []
@@ -350,11 +407,33 @@ def test_background_response_cancelled_and_deleted(url, client):
     bg2 = client.responses.create(background=True, **long)
     _poll(client, bg2.id, until=("in_progress",))
     client.responses.delete(bg2.id)
-    end = time.monotonic() + 30
-    while _running(url) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert _running(url) == 0
+    assert _idle_soon(url)
     assert get_json_status(f"{url}/v1/responses/{bg2.id}")[0] == 404
+
+    # a streamed one: cancelling it ends its stream
+    async def cancel_streamed():
+        import aiohttp
+
+        n, rid = 0, None
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v1/responses", json={"model": "smol", "input": "Write a long story.",
+                                                           "max_output_tokens": 1500, "background": True,
+                                                           "stream": True, "structured_outputs": {"regex": "(a ){700}"}},
+                              timeout=aiohttp.ClientTimeout(total=60)) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        ev = json.loads(line[6:])
+                        n += 1
+                        rid = rid or ev["response"]["id"]  # the first event: response.created
+                        if n == 5:
+                            async with s.post(f"{url}/v1/responses/{rid}/cancel", json={}) as c:
+                                assert c.status == 200 and (await c.json())["status"] == "cancelled"
+        return n
+
+    import asyncio
+    n = asyncio.run(cancel_streamed())
+    assert 5 <= n < 700  # the stream ended soon after the cancel, far from the 700 forced words
+    assert _idle_soon(url)
 
 
 def test_store_is_bounded_in_bytes(monkeypatch):

@@ -9,8 +9,8 @@ output_text, function_call) with the Responses usage; streamed as OpenAI's named
 (response.created ... response.output_text.delta ... response.completed). With `store` (the default, as
 OpenAI's) the conversation is kept in memory (the last MAX_STORED responses, MAX_STORED_BYTES of JSON at
 most), so `previous_response_id` continues it, GET returns it and GET .../input_items lists its input.
-`background: true` stores the response "queued" and answers at once; a task fills it in (POST .../cancel
-stops it).
+`background: true` stores the response "queued" and answers at once (or streams events kept for replays); a
+task fills it in (POST .../cancel stops it).
 """
 
 from __future__ import annotations
@@ -238,9 +238,7 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
     if req.background:
         if req.store is False:
             raise bad_request("background responses must be stored: 'store' cannot be false", "store")
-        if req.stream:
-            raise bad_request("streaming a background response is not supported by this server: poll "
-                              "GET /v1/responses/{id} instead", "stream", "unsupported_parameter")
+
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_request("truncation must be \"auto\" or \"disabled\"", "truncation")
     history: list[dict] = []
@@ -356,10 +354,13 @@ async def create_response(request: web.Request, state, body) -> web.StreamRespon
             e.param = _CHAT_PARAMS.get(head, e.param)
         raise
     resp = _envelope(req, "resp_" + run.gen.id.split("-", 1)[1], run.gen.created, run.model)
+    if req.background:
+        queued = _start_background(state, req, run, resp, convo)
+        if req.stream:
+            return await _replay(request, _store(state)[resp["id"]], -1)
+        return web.json_response(queued)
     if req.stream:
         return await _stream(request, state, req, run, resp, convo)
-    if req.background:
-        return web.json_response(_start_background(state, req, run, resp, convo))
     await run.gen.run()
     return web.json_response(_completed(state, req, run, resp, convo))
 
@@ -385,38 +386,65 @@ def _completed(state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: li
 def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: list[dict]) -> dict:
     """background: true. The request is already admitted (errors were 4xx above); it is stored as "queued",
     turns "in_progress" at its first token and is replaced by the finished response (or "failed" with its
-    error, or "cancelled"). The task is held in the store's entry until it ends."""
+    error, or "cancelled"). The task is held in the store's entry until it ends. With stream, its events
+    are kept in the entry for _replay (the POST's own stream and GET ...?stream=true)."""
     queued = dict(resp, status="queued")
     st = _store(state)
     entry = {"response": queued, "conversation": convo, "input_items": _input_items(req.input), "bytes": 0}
+    if req.stream:
+        entry.update(events=[], events_done=False, wake=asyncio.Event())
     st[resp["id"]] = entry
+
+    def fail(message: str, code: str | None) -> None:
+        entry["response"] = dict(entry["response"], status="failed", output=[],
+                                 error={"code": code or "server_error", "message": message})
 
     async def on_updates(_updates) -> None:
         if entry["response"]["status"] == "queued":
             entry["response"] = dict(entry["response"], status="in_progress")
 
+    async def emit(evs: list[dict]) -> None:
+        if any(e["type"] == "response.in_progress" for e in evs):
+            await on_updates(evs)
+        _publish(entry, evs)
+
     async def work() -> None:
         try:
-            await run.gen.run(on_updates)
+            if req.stream:
+                if not await _produce(state, req, run, resp, convo, emit, queued=True):
+                    err = entry["events"][-1]
+                    fail(err["message"], err["code"])
+            else:
+                await run.gen.run(on_updates)
             if any(c.finish_reason == "abort" for c in run.gen.choices):
                 raise APIError(500, "the generation was aborted (request timeout or server shutdown)")
-            _completed(state, req, run, resp, convo)
+            if not req.stream:
+                _completed(state, req, run, resp, convo)
         except asyncio.CancelledError:  # POST .../cancel: the generation was aborted as the task ended
             pass
         except APIError as e:
-            entry["response"] = dict(entry["response"], status="failed",
-                                     error={"code": e.code or "server_error", "message": e.message})
+            fail(e.message, e.code)
         except Exception as e:  # noqa: BLE001 - reported in the stored response, never lost
             log.exception("background response %s failed", resp["id"])
-            entry["response"] = dict(entry["response"], status="failed",
-                                     error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
+            fail(f"{type(e).__name__}: {e}", None)
         finally:
             entry.pop("task", None)
+            if req.stream:
+                _publish(entry, done=True)
+                entry["bytes"] += len(json.dumps(entry["events"]))  # kept for replays: counted in the store
 
     entry["task"] = task = asyncio.get_running_loop().create_task(work())
     state.background_tasks.add(task)  # held even if the store drops the entry before it ends
     task.add_done_callback(state.background_tasks.discard)
     return queued
+
+
+def _publish(entry: dict, evs=(), done: bool = False) -> None:
+    """Add a streamed background response's events and wake its readers."""
+    entry["events"].extend(evs)
+    entry["events_done"] |= done
+    wake, entry["wake"] = entry["wake"], asyncio.Event()
+    wake.set()
 
 
 async def cancel_response(request: web.Request, state) -> web.Response:
@@ -439,11 +467,24 @@ async def cancel_response(request: web.Request, state) -> web.Response:
     return web.json_response(resp)
 
 
-async def get_response(request: web.Request, state) -> web.Response:
+async def get_response(request: web.Request, state) -> web.StreamResponse:
+    """GET /v1/responses/{id}; with ?stream=true (a streamed background response) its events again, those
+    after ?starting_after=N (a sequence_number) only."""
     rid = request.match_info["response_id"]
     entry = _store(state).get(rid)
     if entry is None:
         raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
+    q = request.query
+    if q.get("stream", "false").lower() not in ("false", "0"):
+        if "events" not in entry:
+            raise bad_request("only a response created with background and stream true can be streamed again",
+                              "stream")
+        try:
+            after = int(q.get("starting_after", -1))
+        except ValueError:
+            raise bad_request("starting_after must be an integer (an event's sequence_number)",
+                              "starting_after") from None
+        return await _replay(request, entry, after)
     return web.json_response(entry["response"])
 
 
@@ -578,15 +619,23 @@ class _EventStream:
         return evs, resp
 
 
-async def _stream(request, state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: list) -> web.StreamResponse:
+async def _produce(state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: list, emit,
+                   queued: bool = False) -> bool:
+    """Run the generation, handing its Responses events to `emit` (awaited per engine step); the finished
+    response is stored (unless store is false). queued: the first event shows the response "queued" and
+    "in_progress" follows at the first token (a background response). False when it ended in an error
+    event."""
     gen = run.gen
     want_lp = gen.params.logprobs is not None
     es = _EventStream(resp)
     reply = run.streamer()
     final: dict = {}
+    started = not queued
 
     async def on_updates(updates) -> None:
-        evs = []
+        nonlocal started
+        evs = [] if started else [es.event("response.in_progress", response=resp)]
+        started = True
         for u in updates:
             lp = _responses_logprobs(chat_logprobs(state, u.token_ids, u.logprobs)) if want_lp and u.token_ids else []
             text, thought, calls, fin = reply.feed(u.text or "", u.finished, u.choice.finish_reason)
@@ -599,27 +648,52 @@ async def _stream(request, state, req: ResponsesRequest, run: ChatRun, resp: dic
             if u.finished:
                 done, final["resp"] = es.finish(fin, _usage(gen))
                 evs += done
-        await w.send_events(evs)
+        await emit(evs)
 
+    first = [es.event("response.created", response=dict(resp, status="queued") if queued else resp)]
+    await emit(first if queued else first + [es.event("response.in_progress", response=resp)])
+    try:
+        await gen.run(on_updates)
+    except APIError as e:
+        body = e.body()["error"]
+        await emit([es.event("error", code=body.get("code"), message=body["message"], param=body.get("param"))])
+        return False
+    if "resp" in final:
+        out = final["resp"]["output"]
+        calls = [o for o in out if o["type"] == "function_call"]
+        msg = next((o for o in out if o["type"] == "message"), None)
+        content = msg["content"][0]["text"] if msg is not None else None
+        _remember(state, req, final["resp"], convo, content, calls)
+    return True
+
+
+async def _stream(request, state, req: ResponsesRequest, run: ChatRun, resp: dict, convo: list) -> web.StreamResponse:
     w = SSEWriter(request)
     try:
         await w.start()
-        await w.send_events([es.event("response.created", response=resp),
-                             es.event("response.in_progress", response=resp)])
-        try:
-            await gen.run(on_updates)
-        except APIError as e:
-            body = e.body()["error"]
-            await w.send_events([es.event("error", code=body.get("code"), message=body["message"],
-                                          param=body.get("param"))])
-            return await w.finish(done=False)
-        if "resp" in final:
-            out = final["resp"]["output"]
-            calls = [o for o in out if o["type"] == "function_call"]
-            msg = next((o for o in out if o["type"] == "message"), None)
-            content = msg["content"][0]["text"] if msg is not None else None
-            _remember(state, req, final["resp"], convo, content, calls)
+        await _produce(state, req, run, resp, convo, w.send_events)
         return await w.finish(done=False)
     except Exception as e:
-        return failed(w, e, f"responses stream {gen.id}")
+        return failed(w, e, f"responses stream {run.gen.id}")
 
+
+async def _replay(request, entry: dict, after: int) -> web.StreamResponse:
+    """A streamed background response's events with sequence_number > after: those already made, then the
+    rest as they come, until the response ends (or is cancelled). The generation does not depend on
+    this connection: a client that drops it can come back with GET ...?stream=true&starting_after=N."""
+    w = SSEWriter(request)
+    try:
+        await w.start()
+        events = entry["events"]
+        pos = max(after + 1, 0)
+        while True:
+            # read together, with no await between: an event published after this wakes `wake`
+            batch, ended, wake = events[pos:], entry["events_done"], entry["wake"]
+            pos += len(batch)
+            await w.send_events(batch)
+            if ended and pos >= len(events):
+                return await w.finish(done=False)
+            if not batch:
+                await wake.wait()
+    except Exception as e:
+        return failed(w, e, f"background responses stream {entry['response']['id']}")
