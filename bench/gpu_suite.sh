@@ -50,11 +50,11 @@ for part in "$@"; do
     bf16-32) tp 120 --workloads 32x1024x128 | tail -3 ;;
     # Session 31: the dense Pallas GEMV ('dot' mode) at 32 rows for q/k/v, o and down, its split-K partials
     # handed to the RoPE/norm kernels, against XLA's GEMMs (3-9% below their one-row rates on an H100)
-    gemv32) timeout 200 python3 bench/dense_gemv_gpu.py --M 32 --variant "" --variant "block_n=128,block_k=64" \
+    gemv32) timeout 150 python3 bench/dense_gemv_gpu.py --M 32 --variant "" --variant "block_n=128,block_k=64" \
               --variant "block_n=64,block_k=128" --variant "block_n=128,block_k=128" \
               --variant "block_n=128,block_k=64,num_warps=8" --variant "block_n=64,block_k=64,max_splits=4" 2>&1 | tail -32
-            timeout 330 python3 bench/decode.py --random-weights --config llama-3.1-8b --attention pallas_triton \
-              --contexts 1024 --batch 32 --runs 3 --dense-gemv "auto;on:max_m=32;auto;on:max_m=32" 2>&1 | tail -7 ;;
+            timeout 240 python3 bench/decode.py --random-weights --config llama-3.1-8b --attention pallas_triton \
+              --contexts 1024 --batch 32 --runs 3 --dense-gemv "auto;on:max_m=32" 2>&1 | tail -5 ;;
     bf16-256) tp 240 --workloads 256x1024x128 --runs 3 | tail -3 ;;  # issue 4: "256 concurrent: report"
     int4) tp 150 --workloads 1x128x512,32x1024x128 --quant int4 --int8-activations | tail -4 ;;
     q4k) tp 100 --workloads 1x128x512 --quant q4k --int8-activations | tail -3 ;;
