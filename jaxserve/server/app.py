@@ -20,7 +20,7 @@ import time
 from aiohttp import web
 
 from jaxserve.server.errors import APIError
-from jaxserve.server.routes import STATE, add_routes, add_webui
+from jaxserve.server.routes import BODY_TIMEOUT, MAX_BODY, STATE, add_routes, add_webui
 from jaxserve.server.state import ServerState
 
 log = logging.getLogger("jaxserve.server")
@@ -110,7 +110,7 @@ async def error_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         if e.status == 413:
-            msg = f"the request body is too large (limit {request.app['max_body']} bytes)"
+            msg = f"the request body is too large (limit {request.app[MAX_BODY]} bytes)"
         elif e.status == 404:
             msg = f"no such endpoint: {request.method} {request.path}"
         elif e.status == 405:
@@ -189,8 +189,8 @@ def build_app(state: ServerState) -> web.Application:
     max_body = int(_env_float("JAXSERVE_MAX_BODY_MB", 16) * 2**20)
     app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
     app[STATE] = state
-    app["max_body"] = max_body
-    app["body_timeout"] = _env_float("JAXSERVE_BODY_TIMEOUT", 60.0)
+    app[MAX_BODY] = max_body
+    app[BODY_TIMEOUT] = _env_float("JAXSERVE_BODY_TIMEOUT", 60.0)
     origins = [o.strip() for o in (getattr(state.args, "cors_origins", None) or "").split(",") if o.strip()]
     if origins:
         _cors(app, origins)

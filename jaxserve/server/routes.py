@@ -25,6 +25,8 @@ from jaxserve.server.responses import (cancel_response, create_response, delete_
 from jaxserve.server.sampling import check_ids
 
 STATE = web.AppKey("jaxserve_state", object)
+MAX_BODY = web.AppKey("jaxserve_max_body", int)  # bytes (JAXSERVE_MAX_BODY_MB)
+BODY_TIMEOUT = web.AppKey("jaxserve_body_timeout", float)  # seconds (JAXSERVE_BODY_TIMEOUT)
 
 
 def _reject_constant(name: str):
@@ -64,15 +66,15 @@ def _lone_surrogate(body) -> tuple[bool, str | None]:
 
 async def read_json(request: web.Request):
     """The decoded body; 400 for anything that is not JSON (413 comes from aiohttp's size limit)."""
-    limit = request.app["max_body"]
+    limit = request.app[MAX_BODY]
     if request.content_length is not None and request.content_length > limit:
         # refuse before reading: no point in receiving megabytes we will throw away
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
         # a client that stalls mid-body would otherwise hold its connection (and this task) for good
-        raw = await asyncio.wait_for(request.read(), request.app["body_timeout"])
+        raw = await asyncio.wait_for(request.read(), request.app[BODY_TIMEOUT])
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body was not received within {request.app['body_timeout']:g} s "
+        raise APIError(408, f"the request body was not received within {request.app[BODY_TIMEOUT]:g} s "
                        "(JAXSERVE_BODY_TIMEOUT)", code="request_timeout") from None
     except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not match: the client's fault
         why = " ".join(str(getattr(e.__cause__, "message", None) or e).split())
