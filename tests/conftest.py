@@ -195,7 +195,8 @@ LONG_PROMPT_TOKENS = int(os.environ.get("JAXSERVE_TEST_LONG_PROMPT", "8000"))
 # the first time any is needed, so their model loads and compiles overlap. `used_by`: test modules.
 SERVER_CONFIGS = {
     # the main server: most tests
-    "main": dict(used_by=("test_server", "test_server_long", "test_reasoning", "test_responses", "test_tools"),
+    "main": dict(used_by=("test_server", "test_server_long", "test_reasoning", "test_responses", "test_tools",
+                          "test_conversations"),
                  args=["--max-model-len", "2048", "--max-num-seqs", "16", "--mem", "400",
                        "--served-model-name", "smol", "--max-queue", "64",
                        # a no-op unless a reply opens with <think> (tests/test_reasoning.py forces one)

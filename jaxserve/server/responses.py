@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from jaxserve.server import tools
+from jaxserve.server import conversations, tools
 from jaxserve.server.chat import ChatRun, start_chat
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import chat_logprobs
@@ -71,8 +71,8 @@ class ResponsesRequest(_Req):
     repetition_penalty: float | None = None
     structured_outputs: Any = None  # vLLM's {"json" | "regex" | "choice" | "grammar": ...}
     background: bool | None = None  # run detached: the reply is polled with GET (no streaming)
+    conversation: Any = None  # a conversation id or {"id": ...} (server/conversations.py)
     # not implemented: refused when set
-    conversation: Any = None
     prompt: Any = None
 
 
@@ -232,9 +232,8 @@ def _response_format(text: dict | None) -> dict | None:
 
 def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, list[dict]]:
     """The chat request of a Responses request, and the conversation so far (for the store)."""
-    for f in ("conversation", "prompt"):
-        if getattr(req, f) not in (None, False):
-            raise bad_request(f"'{f}' is not supported by this server", f, "unsupported_parameter")
+    if req.prompt is not None:
+        raise bad_request("'prompt' is not supported by this server", "prompt", "unsupported_parameter")
     if req.background:
         if req.store is False:
             raise bad_request("background responses must be stored: 'store' cannot be false", "store")
@@ -242,6 +241,11 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
     if req.truncation not in (None, "disabled", "auto"):
         raise bad_request("truncation must be \"auto\" or \"disabled\"", "truncation")
     history: list[dict] = []
+    cid = conversations.conversation_id(req.conversation)
+    if cid is not None:
+        if req.previous_response_id is not None:
+            raise bad_request("conversation and previous_response_id cannot both be set", "conversation")
+        history = conversations.history(state, cid)
     if req.previous_response_id is not None:
         prev = _store(state).get(req.previous_response_id)
         if prev is None:
@@ -277,7 +281,8 @@ def _envelope(req: ResponsesRequest, rid: str, created: int, model: str) -> dict
             "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
             "top_p": req.top_p, "truncation": req.truncation or "disabled", "usage": None, "user": req.user,
-            "metadata": req.metadata or {}, "background": bool(req.background)}
+            "metadata": req.metadata or {}, "background": bool(req.background),
+            "conversation": {"id": conversations.conversation_id(req.conversation)} if req.conversation else None}
 
 
 def _usage(gen) -> dict:
@@ -322,6 +327,10 @@ def _finish(resp: dict, finish_reason: str | None, usage: dict) -> dict:
 
 
 def _remember(state, req: ResponsesRequest, resp: dict, convo: list[dict], content, calls) -> None:
+    """A finished response: stored (unless store is false) and added to its conversation."""
+    if req.conversation is not None:
+        conversations.append(state, conversations.conversation_id(req.conversation), _input_items(req.input),
+                             resp["output"])
     if req.store is False:
         return
     reply = {"role": "assistant", "content": content}
@@ -489,13 +498,17 @@ async def get_response(request: web.Request, state) -> web.StreamResponse:
 
 
 async def list_input_items(request: web.Request, state) -> web.Response:
-    """GET /v1/responses/{id}/input_items: the response's input items, `order` desc (default) or asc, `limit`
-    1-100 (20), `after` an item id (the page after it)."""
+    """GET /v1/responses/{id}/input_items: the response's input items, paged (item_page)."""
     rid = request.match_info["response_id"]
     entry = _store(state).get(rid)
     if entry is None:
         raise APIError(404, f"Response with id '{rid}' not found.", "response_id", "not_found")
-    q = request.query
+    return web.json_response(item_page(entry["input_items"], request.query))
+
+
+def item_page(all_items: list[dict], q) -> dict:
+    """A page of items as the API lists them (a response's input items, a conversation's items): `order`
+    desc (default) or asc, `limit` 1-100 (20), `after` an item id (the page after it)."""
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("order must be \"asc\" or \"desc\"", "order")
@@ -505,15 +518,15 @@ async def list_input_items(request: web.Request, state) -> web.Response:
         limit = 0
     if not 1 <= limit <= 100:
         raise bad_request("limit must be an integer from 1 to 100", "limit")
-    items = entry["input_items"][::-1] if order == "desc" else list(entry["input_items"])
+    items = all_items[::-1] if order == "desc" else list(all_items)
     if "after" in q:
         ids = [it["id"] for it in items]
         if q["after"] not in ids:
-            raise bad_request(f"no input item with id '{q['after']}' in this response", "after")
+            raise bad_request(f"no item with id '{q['after']}' here", "after")
         items = items[ids.index(q["after"]) + 1:]
     page = items[:limit]
-    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 async def delete_response(request: web.Request, state) -> web.Response:

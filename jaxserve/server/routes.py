@@ -14,6 +14,7 @@ from aiohttp import web
 
 from jaxserve.server.chat import chat_completions
 from jaxserve.server.completions import completions
+from jaxserve.server import conversations as conv
 from jaxserve.server.embeddings import classify, embeddings, rerank, score
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import (DetokenizeRequest, ModelCard, ModelList, TokenizeRequest, dump,
@@ -226,10 +227,16 @@ def add_routes(app: web.Application) -> None:
              "/detokenize": _json_endpoint(detokenize),
              "/load_lora_adapter": _json_endpoint(load_lora_adapter),
              "/unload_lora_adapter": _json_endpoint(unload_lora_adapter),
-             "/lora-adapters": _json_endpoint(set_lora_adapters)}
+             "/lora-adapters": _json_endpoint(set_lora_adapters),
+             "/conversations": _json_endpoint(conv.create_conversation),
+             "/conversations/{conversation_id}": _json_endpoint(conv.update_conversation),
+             "/conversations/{conversation_id}/items": _json_endpoint(conv.add_items)}
     gets = {"/models": list_models, "/models/{model:.+}": get_model, "/health": health, "/metrics": metrics,
             "/lora-adapters": lora_adapters, "/props": props, "/responses/{response_id}": _state_endpoint(get_response),
-            "/responses/{response_id}/input_items": _state_endpoint(list_input_items)}
+            "/responses/{response_id}/input_items": _state_endpoint(list_input_items),
+            "/conversations/{conversation_id}": _state_endpoint(conv.get_conversation),
+            "/conversations/{conversation_id}/items": _state_endpoint(conv.list_items),
+            "/conversations/{conversation_id}/items/{item_id}": _state_endpoint(conv.get_item)}
     for prefix in ("/v1", ""):
         for path, h in posts.items():
             app.router.add_post(prefix + path, h)
@@ -237,4 +244,7 @@ def add_routes(app: web.Application) -> None:
             app.router.add_get(prefix + path, h)
         app.router.add_delete(prefix + "/responses/{response_id}", _state_endpoint(delete_response))
         app.router.add_post(prefix + "/responses/{response_id}/cancel", _state_endpoint(cancel_response))
+        app.router.add_delete(prefix + "/conversations/{conversation_id}", _state_endpoint(conv.delete_conversation))
+        app.router.add_delete(prefix + "/conversations/{conversation_id}/items/{item_id}",
+                              _state_endpoint(conv.delete_item))
     app.router.add_post("/v2/rerank", _json_endpoint(rerank))  # Cohere's v2 path

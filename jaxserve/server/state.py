@@ -40,6 +40,8 @@ class ServerState:
         self._token_text: dict[int, tuple[str, bytes, str]] = {}
         # /v1/responses kept for previous_response_id and GET (server/responses.py): id -> entry, oldest first
         self.responses: collections.OrderedDict = collections.OrderedDict()
+        # /v1/conversations (server/conversations.py): id -> {"conversation", "items", "bytes"}, oldest first
+        self.conversations: collections.OrderedDict = collections.OrderedDict()
         self.background_tasks: set = set()  # background responses' tasks (the loop keeps only weak references)
 
     def _engine_stats(self) -> dict | None:
