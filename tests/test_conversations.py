@@ -25,7 +25,7 @@ def _status(fn):
     return 200, None
 
 
-def test_responses_in_a_conversation_see_its_items(client):
+def test_responses_in_a_conversation_see_its_items(url, client):
     from openai.types.conversations import Conversation
 
     seed = [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."},
@@ -41,6 +41,11 @@ def test_responses_in_a_conversation_see_its_items(client):
     assert [getattr(i, "role", None) for i in items] == ["system", "user", "assistant", "user", "assistant"]
     assert items[3].content[0].text == "What is my name?" and items[4].content[0].text == r1.output_text
     assert items[4].id == r1.output[0].id  # the response's own output item
+    assert items[3].id == client.responses.input_items.list(r1.id).data[0].id  # ... and its input item
+    # an item the conversation holds already (a previous output sent back as input) is a 400
+    status, err = post_json(f"{url}/v1/responses", {"model": "smol", "conversation": conv.id, "input": [
+        r1.output[0].model_dump(exclude_none=True)]})
+    assert status == 400 and err["error"]["param"] == "input[0].id", err
     # a second turn sees the first; the object form {"id": ...} works too
     r2 = client.responses.create(conversation={"id": conv.id}, input="And what did I ask?", **kw)
     want2 = client.responses.create(input=seed + [{"role": "user", "content": "What is my name?"},
@@ -65,6 +70,9 @@ def test_items_are_managed(url, client):
     assert [i.content[0].text for i in desc.data] == ["line 4", "line 3"] and desc.has_more
     walked = list(client.conversations.items.list(conv.id, limit=2, order="asc"))  # pages followed by `after`
     assert [i.content[0].text for i in walked] == [f"line {i}" for i in range(5)]
+    status, err = post_json(f"{url}/v1/conversations/{conv.id}/items", {"items": [
+        {"type": "message", "role": "user", "content": "again", "id": added.data[0].id}]})
+    assert status == 400 and err["error"]["param"] == "items[0].id", err
     one = client.conversations.items.retrieve(added.data[2].id, conversation_id=conv.id)
     assert one.content[0].text == "line 2"
     after = client.conversations.items.delete(added.data[2].id, conversation_id=conv.id)

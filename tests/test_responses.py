@@ -206,6 +206,8 @@ def get_json_status(u: str):
     ({"input": [{"role": "user", "content": "hi", "id": 7}]}, "input[0].id"),
     ({"input": [{"type": "reasoning", "summary": "thought"}, {"role": "user", "content": "hi"}]}, "input[0].summary"),
     ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 1}]}]}, "input[0].summary"),
+    ({"input": [{"role": "user", "content": "a", "id": "m1"}, {"role": "user", "content": "b", "id": "m1"}]},
+     "input[1].id"),  # ids page input_items: duplicates would make a client's paging loop
     ({"input": "hi", "tool_choice": {"type": "function"}}, "tool_choice"),
     ({"input": "hi", "max_output_tokens": "ten"}, "max_output_tokens"),
     ({}, "input"),
@@ -320,7 +322,9 @@ def test_background_response_is_polled_to_the_same_reply(url, client):
     want = client.responses.create(**kw)
     bg = client.responses.create(background=True, **kw)
     assert bg.background is True and bg.status in ("queued", "in_progress") and bg.output == []
+    queued_ids = [i.id for i in client.responses.input_items.list(bg.id)]
     done, seen = _poll(client, bg.id)
+    assert [i.id for i in client.responses.input_items.list(bg.id)] == queued_ids  # the same items when done
     assert done.status == want.status and done.output_text == want.output_text and done.background
     assert done.usage.output_tokens == want.usage.output_tokens
     assert set(seen) <= {"queued", "in_progress", done.status}
@@ -396,12 +400,18 @@ def test_background_response_cancelled_and_deleted(url, client):
     bg = client.responses.create(background=True, **long)
     r, _ = _poll(client, bg.id, until=("in_progress",))
     assert r.status == "in_progress" and _running(url) == 1
+    ids = [i.id for i in client.responses.input_items.list(bg.id)]
+    status, err = post_json(f"{url}/v1/responses", {"model": "smol", "input": "x", "previous_response_id": bg.id})
+    assert status == 400 and err["error"]["param"] == "previous_response_id", err  # not finished
     c = client.responses.cancel(bg.id)
     assert c.status == "cancelled" and c.id == bg.id
     assert _idle_soon(url)  # the engine request was aborted, not left to run 1,500 tokens
     time.sleep(0.3)
     again = client.responses.retrieve(bg.id)
     assert again.status == "cancelled" and again.output == []
+    assert [i.id for i in client.responses.input_items.list(bg.id)] == ids
+    status, err = post_json(f"{url}/v1/responses", {"model": "smol", "input": "x", "previous_response_id": bg.id})
+    assert status == 400 and err["error"]["param"] == "previous_response_id", err
     assert client.responses.cancel(bg.id).status == "cancelled"
     # deleted while running: stopped, and not stored again when it would have finished
     bg2 = client.responses.create(background=True, **long)
@@ -455,3 +465,11 @@ def test_store_is_bounded_in_bytes(monkeypatch):
     big = mod.ResponsesRequest(input="y" * 50_000)
     mod._remember(state, big, {"id": "resp_big", "output": []}, [], "ok", [])
     assert list(state.responses) == ["resp_big"]
+    # a background response still running is never dropped (GET, cancel and DELETE must find it)
+    monkeypatch.setattr(mod, "MAX_STORED", 2)
+    state.responses.clear()
+    state.responses["resp_bg"] = {"response": {"id": "resp_bg", "status": "in_progress"}, "bytes": 10,
+                                  "task": object()}
+    for i in range(4):
+        mod._remember(state, mod.ResponsesRequest(input="z"), {"id": f"resp_n{i}", "output": []}, [], "ok", [])
+    assert list(state.responses) == ["resp_bg", "resp_n3"]

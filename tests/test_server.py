@@ -485,6 +485,7 @@ BAD_CHAT = [
     (json.dumps(chat_body("hi", logit_bias={"1_0": 5})).encode(), "logit_bias"),  # int() would take these
     (json.dumps(chat_body("hi", logit_bias={" 7": 5})).encode(), "logit_bias"),
     (json.dumps(chat_body("hi", logit_bias={"-1": 5})).encode(), "logit_bias"),
+    (json.dumps(chat_body("hi", logit_bias={"9" * 5000: 5})).encode(), "logit_bias"),  # past int()'s digit limit
     (json.dumps(chat_body("hi", frobnicate=1)).encode(), "frobnicate"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(),
      "messages[0].content[0].type"),

@@ -190,7 +190,7 @@ def build_app(state: ServerState) -> web.Application:
     app = web.Application(client_max_size=max_body, middlewares=[error_middleware])
     app[STATE] = state
     app[MAX_BODY] = max_body
-    app[BODY_TIMEOUT] = _env_float("JAXSERVE_BODY_TIMEOUT", 60.0)
+    app[BODY_TIMEOUT] = _env_float("JAXSERVE_BODY_TIMEOUT", 60.0)  # 0 or less: no limit
     origins = [o.strip() for o in (getattr(state.args, "cors_origins", None) or "").split(",") if o.strip()]
     if origins:
         _cors(app, origins)

@@ -58,14 +58,26 @@ def _check_metadata(metadata: dict | None) -> dict:
     return metadata
 
 
-def _new_items(items: list[dict], param: str) -> list[dict]:
-    """Validated request items -> stored item objects with ids."""
+def _new_items(items: list[dict], param: str, entry: dict | None = None) -> list[dict]:
+    """Validated request items -> stored item objects with ids (none already in the conversation)."""
     from jaxserve.server.responses import _input_items, _messages
 
     if len(items) > MAX_ITEMS_PER_CALL:
         raise bad_request(f"at most {MAX_ITEMS_PER_CALL} items can be added at once, got {len(items)}", param)
     _messages(items, param)  # 400s naming the item and field
+    if entry is not None:
+        check_new_ids(entry, items, param)
     return _input_items(items)
+
+
+def check_new_ids(entry: dict, items, param: str) -> None:
+    """An item id the conversation already holds is a 400 (as OpenAI's): ids page the item list."""
+    if isinstance(items, str):
+        return
+    have = {it.get("id") for it in entry["items"]}
+    for i, it in enumerate(items):
+        if it.get("id") is not None and it["id"] in have:
+            raise bad_request(f"Duplicate item found with id {it['id']}", f"{param}[{i}].id")
 
 
 def _resize(state, entry: dict) -> None:
@@ -87,11 +99,14 @@ def conversation_id(conversation: Any) -> str | None:
     return cid
 
 
-def history(state, cid: str) -> list[dict]:
-    """The conversation's items, as chat messages, for a response created in it."""
+def history(state, cid: str, input_items) -> list[dict]:
+    """The conversation's items, as chat messages, for a response created in it with input_items (the
+    request's `input`: ids the conversation holds already are a 400)."""
     from jaxserve.server.responses import _messages
 
-    return _messages(_entry(state, cid, "conversation")["items"], "conversation")
+    entry = _entry(state, cid, "conversation")
+    check_new_ids(entry, input_items, "input")
+    return _messages(entry["items"], "conversation")
 
 
 def append(state, cid: str, input_items: list[dict], output: list[dict]) -> None:
@@ -146,7 +161,7 @@ async def list_items(request: web.Request, state) -> web.Response:
 async def add_items(request: web.Request, state, body) -> web.Response:
     req = parse_request(AddItems, body)
     entry = _entry(state, request.match_info["conversation_id"])
-    new = _new_items(req.items, "items")
+    new = _new_items(req.items, "items", entry)
     entry["items"].extend(new)
     _resize(state, entry)
     return web.json_response({"object": "list", "data": new, "first_id": new[0]["id"] if new else None,

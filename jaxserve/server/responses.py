@@ -23,6 +23,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+from pydantic import PrivateAttr
 
 from jaxserve.server import conversations, tools
 from jaxserve.server.chat import ChatRun, start_chat
@@ -38,6 +39,7 @@ MAX_STORED_BYTES = 64 * 2**20  # images as data: URLs make entries large: the ol
 
 
 class ResponsesRequest(_Req):
+    _items: list | None = PrivateAttr(default=None)  # input_items(), made once: the ids stay the same
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -70,7 +72,7 @@ class ResponsesRequest(_Req):
     min_p: float | None = None
     repetition_penalty: float | None = None
     structured_outputs: Any = None  # vLLM's {"json" | "regex" | "choice" | "grammar": ...}
-    background: bool | None = None  # run detached: the reply is polled with GET (no streaming)
+    background: bool | None = None  # run detached: the reply is polled with GET (or streamed and replayed)
     conversation: Any = None  # a conversation id or {"id": ...} (server/conversations.py)
     # not implemented: refused when set
     prompt: Any = None
@@ -109,11 +111,16 @@ def _messages(items: str | list, where: str = "input") -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
+    ids: set[str] = set()
     for i, it in enumerate(items):
         w = f"{where}[{i}]"
         kind = it.get("type", "message")
-        if it.get("id") is not None and not isinstance(it["id"], str):  # echoed by GET .../input_items
-            raise bad_request(f"{w}.id must be a string", f"{w}.id")
+        if it.get("id") is not None:  # echoed by GET .../input_items, paged by id
+            if not isinstance(it["id"], str):
+                raise bad_request(f"{w}.id must be a string", f"{w}.id")
+            if it["id"] in ids:
+                raise bad_request(f"Duplicate item found with id {it['id']}", f"{w}.id")
+            ids.add(it["id"])
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -191,6 +198,14 @@ def _input_items(items: str | list) -> list[dict]:
     return out
 
 
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """The request's input as item objects, made once per request so that every copy (the stored response's
+    input_items, its conversation) has the same ids."""
+    if req._items is None:
+        req._items = _input_items(req.input)
+    return req._items
+
+
 def _tools(tools: list | None) -> list | None:
     if tools is None:
         return None
@@ -245,12 +260,15 @@ def _chat_request(state, req: ResponsesRequest) -> tuple[ChatCompletionRequest, 
     if cid is not None:
         if req.previous_response_id is not None:
             raise bad_request("conversation and previous_response_id cannot both be set", "conversation")
-        history = conversations.history(state, cid)
+        history = conversations.history(state, cid, req.input)
     if req.previous_response_id is not None:
         prev = _store(state).get(req.previous_response_id)
         if prev is None:
             raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                            "previous_response_id", "previous_response_not_found")
+        if prev["response"]["status"] not in ("completed", "incomplete"):
+            raise bad_request(f"previous response '{req.previous_response_id}' is {prev['response']['status']}: "
+                              "only a finished response can be continued", "previous_response_id")
         history = list(prev["conversation"])
     convo = history + _messages(req.input)
     msgs = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + convo
@@ -328,8 +346,11 @@ def _finish(resp: dict, finish_reason: str | None, usage: dict) -> dict:
 
 def _remember(state, req: ResponsesRequest, resp: dict, convo: list[dict], content, calls) -> None:
     """A finished response: stored (unless store is false) and added to its conversation."""
+    old = _store(state).get(resp["id"])
+    if old is not None and old["response"]["status"] == "cancelled":  # a cancelled background response
+        return
     if req.conversation is not None:
-        conversations.append(state, conversations.conversation_id(req.conversation), _input_items(req.input),
+        conversations.append(state, conversations.conversation_id(req.conversation), input_items(req),
                              resp["output"])
     if req.store is False:
         return
@@ -338,18 +359,24 @@ def _remember(state, req: ResponsesRequest, resp: dict, convo: list[dict], conte
         reply["tool_calls"] = [{"id": c["call_id"], "type": "function",
                                 "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
     st = _store(state)
-    entry = {"response": resp, "conversation": convo + [reply], "input_items": _input_items(req.input)}
+    entry = {"response": resp, "conversation": convo + [reply], "input_items": input_items(req)}
     entry["bytes"] = len(json.dumps(entry))
-    old = st.get(resp["id"])
     if old is not None:  # a background response: its queued entry is filled in where it stands
-        if old["response"]["status"] == "cancelled":
-            return
         old.update(entry)
         entry = old
     st[resp["id"]] = entry
+    _evict(st)
+
+
+def _evict(st: collections.OrderedDict) -> None:
+    """Past MAX_STORED entries or MAX_STORED_BYTES, the oldest go first; never a background response that
+    is still running (GET, cancel and DELETE must find it)."""
     total = sum(e["bytes"] for e in st.values())
     while len(st) > MAX_STORED or (total > MAX_STORED_BYTES and len(st) > 1):
-        total -= st.popitem(last=False)[1]["bytes"]
+        rid = next((k for k, e in st.items() if "task" not in e), None)
+        if rid is None:
+            return
+        total -= st.pop(rid)["bytes"]
 
 
 async def create_response(request: web.Request, state, body) -> web.StreamResponse:
@@ -399,7 +426,7 @@ def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, co
     are kept in the entry for _replay (the POST's own stream and GET ...?stream=true)."""
     queued = dict(resp, status="queued")
     st = _store(state)
-    entry = {"response": queued, "conversation": convo, "input_items": _input_items(req.input), "bytes": 0}
+    entry = {"response": queued, "conversation": convo, "input_items": input_items(req), "bytes": 0}
     if req.stream:
         entry.update(events=[], events_done=False, wake=asyncio.Event())
     st[resp["id"]] = entry
@@ -407,6 +434,9 @@ def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, co
     def fail(message: str, code: str | None) -> None:
         entry["response"] = dict(entry["response"], status="failed", output=[],
                                  error={"code": code or "server_error", "message": message})
+        if req.stream:  # the stream's last event (the openai client's stream helper waits for one)
+            _publish(entry, [{"type": "response.failed", "sequence_number": len(entry["events"]),
+                              "response": entry["response"]}])
 
     async def on_updates(_updates) -> None:
         if entry["response"]["status"] == "queued":
@@ -443,8 +473,9 @@ def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, co
                 entry["bytes"] += len(json.dumps(entry["events"]))  # kept for replays: counted in the store
 
     entry["task"] = task = asyncio.get_running_loop().create_task(work())
-    state.background_tasks.add(task)  # held even if the store drops the entry before it ends
+    state.background_tasks.add(task)  # the loop keeps only a weak reference
     task.add_done_callback(state.background_tasks.discard)
+    _evict(st)
     return queued
 
 

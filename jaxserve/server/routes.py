@@ -73,7 +73,8 @@ async def read_json(request: web.Request):
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:
         # a client that stalls mid-body would otherwise hold its connection (and this task) for good
-        raw = await asyncio.wait_for(request.read(), request.app[BODY_TIMEOUT])
+        limit_s = request.app[BODY_TIMEOUT]
+        raw = await asyncio.wait_for(request.read(), limit_s if limit_s > 0 else None)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body was not received within {request.app[BODY_TIMEOUT]:g} s "
                        "(JAXSERVE_BODY_TIMEOUT)", code="request_timeout") from None

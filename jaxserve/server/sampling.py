@@ -19,7 +19,9 @@ try:  # the sampler's fixed-size tables; the engine raises inside a step when th
 except Exception:  # pragma: no cover
     MAX_LOGIT_BIAS, MAX_SUPPRESSED_IDS = 64, 8
 
-_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")  # a negative id is refused later with the out-of-range message
+# a negative id is refused later with the out-of-range message; 10 digits hold any int32 id (and int() of a
+# 5,000-digit string raises past Python's conversion limit)
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 _COPY = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
          "repetition_penalty", "seed", "min_tokens", "ignore_eos", "skip_special_tokens",
          "include_stop_str_in_output")
