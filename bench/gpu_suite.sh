@@ -49,7 +49,7 @@ for part in "$@"; do
     bf16-1) tp 200 --workloads 1x4096x256,1x128x256,1x2048x1 | tail -5 ;;
     bf16-32) tp 120 --workloads 32x1024x128 | tail -3 ;;
     # Session 31: the dense Pallas GEMV ('dot' mode) at 32 rows for q/k/v, o and down, its split-K partials
-    # handed to the RoPE/norm kernels, against XLA's GEMMs. Measured (H100): ties on q/k/v and o, 2-4x slower
+    # handed to the RoPE/norm kernels, against XLA's GEMMs. Measured (H100): ties on q/k/v and o, 1.9-4x slower
     # on down (bench/RESULTS.md session 31); the decode pair was not run
     gemv32) timeout 150 python3 bench/dense_gemv_gpu.py --M 32 --variant "" --variant "block_n=128,block_k=64" \
               --variant "block_n=64,block_k=128" --variant "block_n=128,block_k=128" \

@@ -115,3 +115,25 @@ def test_unknown_ids_are_404(url, client):
         raise AssertionError("limit=0 accepted")
     except urllib.error.HTTPError as e:
         assert e.code == 400 and json.loads(e.read())["error"]["param"] == "limit"
+
+
+def test_store_is_bounded(monkeypatch):
+    """The oldest conversations go past MAX_CONVERSATIONS (or MAX_CONVERSATION_BYTES of JSON); the same
+    eviction as the response store's."""
+    import argparse
+
+    from jaxserve.server import conversations as mod
+    from jaxserve.server.state import ServerState
+
+    state = ServerState(argparse.Namespace(model="m"))
+    monkeypatch.setattr(mod, "MAX_CONVERSATIONS", 3)
+    for i in range(5):
+        entry = {"conversation": {"id": f"conv_{i}"}, "items": []}
+        state.conversations[f"conv_{i}"] = entry
+        mod._resize(state, entry)
+    assert list(state.conversations) == ["conv_2", "conv_3", "conv_4"]
+    monkeypatch.setattr(mod, "MAX_CONVERSATION_BYTES", 2000)
+    mod.append(state, "conv_4", [{"id": "m", "type": "message", "content": "x" * 2500}], [])
+    assert list(state.conversations) == ["conv_4"]  # the others went to make room; the newest always stays
+    mod.append(state, "conv_gone", [{"id": "m2"}], [])  # a deleted conversation: nothing to add to
+    assert list(state.conversations) == ["conv_4"]

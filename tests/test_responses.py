@@ -473,3 +473,58 @@ def test_store_is_bounded_in_bytes(monkeypatch):
     for i in range(4):
         mod._remember(state, mod.ResponsesRequest(input="z"), {"id": f"resp_n{i}", "output": []}, [], "ok", [])
     assert list(state.responses) == ["resp_bg", "resp_n3"]
+
+
+def test_background_failures_are_stored_as_failed():
+    """A background generation that fails (an error from the engine) or ends aborted (--request-timeout,
+    shutdown) is stored "failed" with its error; a streamed one ends its events with response.failed. The
+    engine side is a stand-in here: the paths are the task's own (the server tests cover the real runs)."""
+    import argparse
+    import asyncio
+    from types import SimpleNamespace
+
+    from jaxserve.server import responses as mod
+    from jaxserve.server.chat import ChatRun
+    from jaxserve.server.errors import APIError
+    from jaxserve.server.state import ServerState
+
+    class Gen:
+        def __init__(self, how):
+            self.how, self.id = how, "chatcmpl-x"
+            self.params = SimpleNamespace(logprobs=None)
+            self.choices = [SimpleNamespace(finish_reason=None)]
+
+        async def run(self, on_updates=None):
+            await asyncio.sleep(0)
+            if self.how == "error":
+                raise APIError(500, "generation failed: boom")
+            self.choices[0].finish_reason = "abort"  # what Generation.run leaves when it aborts
+
+    def start(how, stream):
+        state = ServerState(argparse.Namespace(model="m"))
+        req = mod.ResponsesRequest(input="hi", background=True, stream=stream)
+        run = ChatRun(gen=Gen(how), model="m", funcs=None, one_call=False, forced=None, parser=None)
+        resp = mod._envelope(req, "resp_x", 0, "m")
+
+        async def go():
+            mod._start_background(state, req, run, resp, [])
+            await asyncio.gather(*state.background_tasks)
+            return state.responses["resp_x"]
+        return asyncio.run(go())
+
+    for how, message in (("error", "generation failed: boom"), ("abort", "aborted")):
+        entry = start(how, stream=False)
+        r = entry["response"]
+        assert r["status"] == "failed" and message in r["error"]["message"] and "task" not in entry, r
+        _valid(r)  # the openai package's Response type: its error codes are a fixed set
+        assert r["error"]["code"] == "server_error"
+    entry = start("error", stream=True)
+    types = [e["type"] for e in entry["events"]]
+    assert types == ["response.created", "error", "response.failed"] and entry["events_done"]
+    assert [e["sequence_number"] for e in entry["events"]] == [0, 1, 2]
+    assert entry["response"]["status"] == "failed"
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    for e in entry["events"]:
+        TypeAdapter(ResponseStreamEvent).validate_python(e)

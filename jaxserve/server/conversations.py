@@ -19,6 +19,7 @@ from aiohttp import web
 
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.protocol import _Req, parse_request
+from jaxserve.server.state import evict_oldest
 
 MAX_CONVERSATIONS = 1000
 MAX_CONVERSATION_BYTES = 64 * 2**20
@@ -82,10 +83,7 @@ def check_new_ids(entry: dict, items, param: str) -> None:
 
 def _resize(state, entry: dict) -> None:
     entry["bytes"] = len(json.dumps(entry["conversation"])) + len(json.dumps(entry["items"]))
-    st = _store(state)
-    total = sum(e["bytes"] for e in st.values())
-    while len(st) > MAX_CONVERSATIONS or (total > MAX_CONVERSATION_BYTES and len(st) > 1):
-        total -= st.popitem(last=False)[1]["bytes"]
+    evict_oldest(_store(state), MAX_CONVERSATIONS, MAX_CONVERSATION_BYTES)
 
 
 # ------------------------------------------------------------------------------ the Responses side

@@ -30,6 +30,7 @@ from jaxserve.server.chat import ChatRun, start_chat
 from jaxserve.server.errors import APIError, bad_request
 from jaxserve.server.generation import chat_logprobs
 from jaxserve.server.protocol import ChatCompletionRequest, _Req, parse_request
+from jaxserve.server.state import evict_oldest
 from jaxserve.server.streaming import SSEWriter, failed
 
 log = logging.getLogger("jaxserve.server")
@@ -365,18 +366,7 @@ def _remember(state, req: ResponsesRequest, resp: dict, convo: list[dict], conte
         old.update(entry)
         entry = old
     st[resp["id"]] = entry
-    _evict(st)
-
-
-def _evict(st: collections.OrderedDict) -> None:
-    """Past MAX_STORED entries or MAX_STORED_BYTES, the oldest go first; never a background response that
-    is still running (GET, cancel and DELETE must find it)."""
-    total = sum(e["bytes"] for e in st.values())
-    while len(st) > MAX_STORED or (total > MAX_STORED_BYTES and len(st) > 1):
-        rid = next((k for k, e in st.items() if "task" not in e), None)
-        if rid is None:
-            return
-        total -= st.pop(rid)["bytes"]
+    evict_oldest(st, MAX_STORED, MAX_STORED_BYTES)
 
 
 async def create_response(request: web.Request, state, body) -> web.StreamResponse:
@@ -432,8 +422,10 @@ def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, co
     st[resp["id"]] = entry
 
     def fail(message: str, code: str | None) -> None:
+        # the Responses API's error codes are a fixed set: ours (internal_error, ...) report as server_error
+        code = code if code in ("rate_limit_exceeded", "invalid_prompt") else "server_error"
         entry["response"] = dict(entry["response"], status="failed", output=[],
-                                 error={"code": code or "server_error", "message": message})
+                                 error={"code": code, "message": message})
         if req.stream:  # the stream's last event (the openai client's stream helper waits for one)
             _publish(entry, [{"type": "response.failed", "sequence_number": len(entry["events"]),
                               "response": entry["response"]}])
@@ -475,7 +467,7 @@ def _start_background(state, req: ResponsesRequest, run: ChatRun, resp: dict, co
     entry["task"] = task = asyncio.get_running_loop().create_task(work())
     state.background_tasks.add(task)  # the loop keeps only a weak reference
     task.add_done_callback(state.background_tasks.discard)
-    _evict(st)
+    evict_oldest(st, MAX_STORED, MAX_STORED_BYTES)
     return queued
 
 

@@ -18,6 +18,18 @@ _DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", 
 _GEN_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def evict_oldest(store: collections.OrderedDict, max_entries: int, max_bytes: int) -> None:
+    """The in-memory stores (responses, conversations): past max_entries entries or max_bytes of their
+    entries' "bytes", the oldest go first, but never one that holds a running "task" (a background
+    response: GET, cancel and DELETE must find it)."""
+    total = sum(e["bytes"] for e in store.values())
+    while len(store) > max_entries or (total > max_bytes and len(store) > 1):
+        key = next((k for k, e in store.items() if "task" not in e), None)
+        if key is None:
+            return
+        total -= store.pop(key)["bytes"]
+
+
 class ServerState:
     def __init__(self, args):
         self.args = args
